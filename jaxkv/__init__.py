@@ -1,0 +1,29 @@
+"""jaxkv: LLM inference in JAX with a paged KV cache.
+
+Quick use::
+
+    import jaxkv
+    model = jaxkv.load_default()
+    jaxkv.generate(model, ["def fib(n):"], jaxkv.SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from jaxkv.engine.generate import generate, generate_no_cache, generate_with_stats
+from jaxkv.kv import PagedKVState, init_state
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.pretrained import Model, load_default, load_pretrained, random_model
+from jaxkv.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = [
+    "Model",
+    "ModelConfig",
+    "PagedKVState",
+    "SamplingParams",
+    "generate",
+    "generate_no_cache",
+    "generate_with_stats",
+    "init_state",
+    "load_default",
+    "load_pretrained",
+    "random_model",
+]

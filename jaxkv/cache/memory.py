@@ -1,0 +1,230 @@
+"""KV-cache memory planning, in plain Python (no jax).
+
+Each token keeps a key and a value per layer: 2 * layers * kv_heads * head_dim * dtype_bytes.
+Decode rereads the whole cache from HBM each step (bandwidth-bound), so KV capacity caps batch.
+Reserving max_model_len per sequence wastes the unused tail; paging wastes at most one partial page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4,
+    "bfloat16": 2, "bf16": 2,
+    "float16": 2, "fp16": 2,
+    "int8": 1, "fp8": 1,
+}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element for a dtype name such as "bf16"."""
+    try:
+        return DTYPE_BYTES[str(name).lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {name!r}; accepted: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a decoder-only transformer that memory depends on."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    def num_params(self) -> int:
+        """Parameter count of a Llama-style model (gated MLP, RMSNorm)."""
+        E, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        embed = V * E * (1 if self.tie_word_embeddings else 2)
+        attn = E * H * D + 2 * E * K * D + H * D * E
+        if self.attention_bias:
+            attn += H * D + 2 * K * D
+        per_layer = attn + 3 * E * F + 2 * E
+        return embed + self.num_layers * per_layer + E
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict, name: str | None = None) -> ModelShape:
+        """Build from a Hugging Face config.json (file, folder holding one, or dict)."""
+        if isinstance(path_or_dict, dict):
+            config, source = path_or_dict, "<dict>"
+            default_name = config.get("_name_or_path") or config.get("model_type") or "custom"
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ValueError(f"no config.json at {path}")
+            try:
+                config = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+            source, default_name = str(path), path.parent.name or "custom"
+
+        def get(key, default=None, required=True):
+            value = config.get(key)
+            if value is None:
+                if required:
+                    raise ValueError(f"missing required key {key!r} in {source}")
+                return default
+            return value
+
+        num_heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        if config.get("model_type") == "qwen2":
+            bias = True
+        else:
+            bias = bool(config.get("attention_bias", False))
+        return cls(
+            name=name or str(default_name),
+            num_layers=int(get("num_hidden_layers")),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("num_key_value_heads", num_heads, required=False)),
+            head_dim=int(get("head_dim", hidden // num_heads, required=False)),
+            vocab_size=int(get("vocab_size")),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False, required=False)),
+            attention_bias=bias,
+        )
+
+
+def _preset(name, L, E, F, H, K, D, V, tied=False, bias=False) -> ModelShape:
+    return ModelShape(name, L, E, F, H, K, D, V, tied, bias)
+
+
+# Values copied from the published config.json files.
+PRESETS: dict[str, ModelShape] = {s.name: s for s in [
+    _preset("llama-2-7b", 32, 4096, 11008, 32, 32, 128, 32000),
+    _preset("llama-2-13b", 40, 5120, 13824, 40, 40, 128, 32000),
+    _preset("llama-2-70b", 80, 8192, 28672, 64, 8, 128, 32000),
+    _preset("llama-3-8b", 32, 4096, 14336, 32, 8, 128, 128256),
+    _preset("llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256),
+    _preset("mistral-7b", 32, 4096, 14336, 32, 8, 128, 32000),
+    _preset("qwen2.5-7b", 28, 3584, 18944, 28, 4, 128, 152064, bias=True),
+]}
+
+
+def resolve_model(name_or_path) -> ModelShape:
+    """A preset by name, otherwise a config.json file or the folder holding one."""
+    key = str(name_or_path)
+    if key.lower() in PRESETS:
+        return PRESETS[key.lower()]
+    if Path(key).exists():
+        return ModelShape.from_hf_config(key)
+    raise ValueError(
+        f"unknown model {key!r}: not a preset and not a path; presets: {', '.join(PRESETS)}")
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str = "bfloat16") -> int:
+    """Key + value bytes one token occupies across all layers."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes(dtype)
+
+
+def kv_bytes(shape: ModelShape, num_tokens: int, batch: int = 1, dtype: str = "bfloat16") -> int:
+    """KV bytes for `batch` sequences of `num_tokens` tokens each."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if batch < 0:
+        raise ValueError(f"batch must be >= 0, got {batch}")
+    return kv_bytes_per_token(shape, dtype) * num_tokens * batch
+
+
+def weight_bytes(shape: ModelShape, dtype: str = "bfloat16") -> int:
+    """Bytes of the model weights stored in `dtype`."""
+    return shape.num_params() * dtype_bytes(dtype)
+
+
+def format_bytes(n: int | float) -> str:
+    """Decimal and binary sizes together, e.g. "1.34 GB (1.25 GiB)"."""
+    n = float(n)
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    units = ["KB", "MB", "GB", "TB", "PB"]
+    level = min(int(math.log(abs(n), 1000)), len(units))
+    unit = units[level - 1]
+    return f"{n / 1000 ** level:.2f} {unit} ({n / 1024 ** level:.2f} {unit[0]}iB)"
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    """How many sequences fit in the KV budget, contiguous versus paged."""
+
+    model: str
+    dtype: str
+    hbm_bytes: int
+    weight_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    avg_seq_len: int
+    page_size: int
+    contiguous_seqs: int
+    paged_seqs: int
+    paged_waste_fraction: float
+    contiguous_waste_fraction: float
+
+    def table(self) -> str:
+        """A small aligned text table of the plan."""
+        rows = [
+            ("model", f"{self.model} ({self.dtype})"),
+            ("HBM", format_bytes(self.hbm_bytes)),
+            ("weights", format_bytes(self.weight_bytes)),
+            ("KV budget", format_bytes(self.kv_budget_bytes)),
+            ("KV per token", f"{self.kv_bytes_per_token:,} bytes"),
+            ("max_model_len", f"{self.max_model_len:,}"),
+            ("avg_seq_len", f"{self.avg_seq_len:,}"),
+            ("page_size", f"{self.page_size}"),
+            ("contiguous seqs", f"{self.contiguous_seqs:,}"
+             f"  (waste {self.contiguous_waste_fraction:.1%})"),
+            ("paged seqs", f"{self.paged_seqs:,}  (waste {self.paged_waste_fraction:.1%})"),
+        ]
+        if self.kv_budget_bytes == 0:
+            rows.append(("note", "weights exceed usable HBM; no room for KV cache"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def plan_capacity(shape: ModelShape, hbm_bytes: int, *, dtype: str = "bfloat16",
+                  max_model_len: int, avg_seq_len: int, page_size: int = 16,
+                  gpu_memory_utilization: float = 0.9) -> CapacityPlan:
+    """Compare contiguous max-length reservation with paging for one device."""
+    checks = [
+        ("hbm_bytes", hbm_bytes, hbm_bytes > 0),
+        ("max_model_len", max_model_len, max_model_len > 0),
+        ("avg_seq_len", avg_seq_len, avg_seq_len > 0),
+        ("page_size", page_size, page_size > 0 and page_size & (page_size - 1) == 0),
+        ("gpu_memory_utilization", gpu_memory_utilization, 0 < gpu_memory_utilization <= 1),
+    ]
+    for field, value, ok in checks:
+        if not ok:
+            raise ValueError(f"invalid {field}: {value!r}")
+    if avg_seq_len > max_model_len:
+        raise ValueError(
+            f"invalid avg_seq_len: {avg_seq_len} exceeds max_model_len {max_model_len}")
+    per_token = kv_bytes_per_token(shape, dtype)
+    weights = weight_bytes(shape, dtype)
+    budget = max(0, int(hbm_bytes * gpu_memory_utilization) - weights)
+    pages = -(-avg_seq_len // page_size)
+    paged_tokens = pages * page_size
+    return CapacityPlan(
+        model=shape.name, dtype=dtype, hbm_bytes=int(hbm_bytes), weight_bytes=weights,
+        kv_budget_bytes=budget, kv_bytes_per_token=per_token,
+        max_model_len=max_model_len, avg_seq_len=avg_seq_len, page_size=page_size,
+        contiguous_seqs=budget // (max_model_len * per_token),
+        paged_seqs=budget // (paged_tokens * per_token),
+        paged_waste_fraction=(paged_tokens - avg_seq_len) / paged_tokens,
+        contiguous_waste_fraction=(max_model_len - avg_seq_len) / max_model_len,
+    )

@@ -1,0 +1,1 @@
+"""Host-side drivers of the jitted steps: generation loops (and, later, the serving engine)."""

@@ -1,0 +1,214 @@
+"""`jaxkv.generate`: batched generation over the paged KV cache, and the no-cache baseline.
+
+Every sequence reserves the pages for prompt + max_tokens up front (a small host allocator);
+the serving engine instead allocates as it goes and shares prefixes. ``generate_no_cache``
+recomputes the whole sequence at every step, the O(N^2) baseline the KV cache removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxkv.cache.allocator import PageAllocator
+from jaxkv.kv import init_state
+from jaxkv.model.pretrained import Model
+from jaxkv.runtime.batch import Row, build_batch
+from jaxkv.runtime.sampling import SamplingArrays, sample
+from jaxkv.runtime.steps import make_steps
+from jaxkv.sampling_params import SamplingParams
+
+DEFAULT_TOKEN_BUDGET = 2048  # prompt tokens per prefill step
+
+
+@dataclasses.dataclass
+class _Seq:
+    slot: int
+    prompt: list[int]
+    params: SamplingParams
+    key: np.ndarray  # u32[2]
+    pages: list[int]
+    out: list[int] = dataclasses.field(default_factory=list)
+    prefilled: int = 0
+    done: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """What one `generate` call did, for demos and benchmarks."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    kv_pages_used: int = 0
+    page_size: int = 0
+    kv_bytes_per_token: int = 0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / max(self.decode_seconds + self.prefill_seconds, 1e-9)
+
+
+def _prompts_to_ids(model: Model, prompts) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+        raise ValueError("prompts must be a list of prompts (strings or token-id lists), "
+                         "not a single prompt")
+    ids = []
+    for i, p in enumerate(prompts):
+        toks = model.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        if not toks:
+            raise ValueError(f"prompts[{i}] is empty")
+        bad = [t for t in toks if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] has token id {bad[0]} outside the vocabulary "
+                             f"[0, {model.config.vocab_size})")
+        ids.append(toks)
+    return ids
+
+
+def _per_prompt(sampling, n_prompts) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * n_prompts
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n_prompts
+    sampling = list(sampling)
+    if len(sampling) != n_prompts:
+        raise ValueError(f"sampling has {len(sampling)} entries for {n_prompts} prompts")
+    return sampling
+
+
+def _base_key(seed: int, sample_index: int) -> np.ndarray:
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), sample_index)
+    return np.asarray(jax.random.key_data(key), np.uint32)
+
+
+def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int = 16,
+                        prefill_chunk: int | None = None, attention_impl: str = "auto",
+                        recompute: bool = False,
+                        token_budget: int = DEFAULT_TOKEN_BUDGET):
+    """`generate`, also returning a GenerationStats."""
+    if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    cfg = model.config
+    ids = _prompts_to_ids(model, prompts)
+    params_list = _per_prompt(sampling, len(ids))
+
+    seqs: list[_Seq] = []
+    for i, (prompt, sp) in enumerate(zip(ids, params_list, strict=True)):
+        seed = i if sp.seed is None else sp.seed
+        for j in range(sp.n):
+            seqs.append(_Seq(len(seqs), prompt, sp, _base_key(seed, j), []))
+    pages_per_seq = [-(-(len(s.prompt) + s.params.max_tokens) // page_size) for s in seqs]
+    allocator = PageAllocator(sum(pages_per_seq))
+    for s, n in zip(seqs, pages_per_seq, strict=True):
+        s.pages = allocator.allocate(n)
+    width = max(pages_per_seq)
+    state = init_state(cfg, allocator.num_pages, page_size, len(seqs), width, model.dtype)
+    steps = make_steps(model.graphdef, attention_impl)
+    eos = set(cfg.eos_token_ids)
+    stats = GenerationStats(prompt_tokens=sum(len(s.prompt) for s in seqs),
+                            kv_pages_used=allocator.num_used, page_size=page_size,
+                            kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads
+                            * cfg.head_dim * np.dtype(model.dtype).itemsize)
+
+    def batch_of(rows):
+        return build_batch(rows, page_size=page_size, num_pages=allocator.num_pages,
+                           max_seqs=len(seqs), max_pages_per_seq=width,
+                           vocab_size=cfg.vocab_size)
+
+    def run(step_fn, rows, finishing):
+        """One step; samples a token for each row in `finishing` (a row index -> seq map)."""
+        nonlocal state
+        batch = batch_of(rows)
+        logits, state = step_fn(model.params, state, batch)
+        stats.steps += 1
+        if not finishing:
+            return
+        b = batch.slots.shape[0]
+        idx = list(finishing)
+        chosen = [finishing[i] for i in idx]
+        keys = np.zeros((b, 2), np.uint32)
+        keys[: len(idx)] = [s.key for s in chosen]
+        arrays = SamplingArrays.build([s.params.temperature for s in chosen],
+                                      [s.params.top_k for s in chosen],
+                                      [s.params.top_p for s in chosen],
+                                      [len(s.out) for s in chosen], b)
+        tokens = np.asarray(sample(logits[np.asarray(idx + [0] * (b - len(idx)))], keys, arrays))
+        for s, tok in zip(chosen, tokens[: len(idx)].tolist(), strict=True):
+            s.out.append(tok)
+            sp = s.params
+            stop = tok in sp.stop_token_ids or (tok in eos and not sp.ignore_eos)
+            if len(s.out) >= sp.max_tokens or (stop and len(s.out) >= sp.min_tokens):
+                s.done = True
+
+    # Prefill: chunks of every prompt, packed under a token budget.
+    t0 = time.perf_counter()
+    if not recompute:
+        pending = list(seqs)
+        while pending:
+            rows, finishing, budget = [], {}, token_budget
+            for s in list(pending):
+                take = len(s.prompt) - s.prefilled
+                take = min(take, prefill_chunk or take)
+                if rows and take > budget:
+                    break
+                rows.append(Row(s.slot, s.prompt[s.prefilled:s.prefilled + take],
+                                s.prefilled, s.pages))
+                s.prefilled += take
+                budget -= take
+                if s.prefilled == len(s.prompt):
+                    finishing[len(rows) - 1] = s
+                    pending.remove(s)
+            run(steps.prefill, rows, finishing)
+    t1 = time.perf_counter()
+    stats.prefill_seconds = t1 - t0
+
+    # Decode: one token per live sequence per step (or the whole sequence, recomputed).
+    while True:
+        live = [s for s in seqs if not s.done and (s.out or recompute)]
+        if not live:
+            break
+        if recompute:
+            rows = [Row(s.slot, s.tokens, 0, s.pages) for s in live]
+            run(steps.prefill, rows, dict(enumerate(live)))
+        else:
+            rows = [Row(s.slot, s.out[-1:], len(s.tokens) - 1, s.pages) for s in live]
+            run(steps.decode, rows, dict(enumerate(live)))
+    stats.decode_seconds = time.perf_counter() - t1
+    stats.generated_tokens = sum(len(s.out) for s in seqs)
+    for s in seqs:
+        allocator.free(s.pages)
+    allocator.check()
+    return [s.out for s in seqs], stats
+
+
+def generate(model: Model, prompts: Sequence, sampling=None, *, page_size: int = 16,
+             prefill_chunk: int | None = None, attention_impl: str = "auto") -> list[list[int]]:
+    """Generated token ids for each prompt (``n`` consecutive entries per prompt when n > 1).
+
+    ``prompts``: token-id lists, or strings when the model has a tokenizer. ``sampling``: one
+    SamplingParams for all prompts or one per prompt. ``prefill_chunk`` splits long prompts.
+    """
+    out, _ = generate_with_stats(model, prompts, sampling, page_size=page_size,
+                                 prefill_chunk=prefill_chunk, attention_impl=attention_impl)
+    return out
+
+
+def generate_no_cache(model: Model, prompts: Sequence, sampling=None, *, page_size: int = 16,
+                      attention_impl: str = "auto") -> list[list[int]]:
+    """Same outputs as `generate`, recomputing every token's K/V at every step (no reuse)."""
+    out, _ = generate_with_stats(model, prompts, sampling, page_size=page_size,
+                                 attention_impl=attention_impl, recompute=True)
+    return out

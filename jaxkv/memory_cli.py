@@ -1,0 +1,85 @@
+"""`jaxkv memory`: print KV-cache and weight sizes, and optionally a capacity plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxkv.cache import memory
+
+HELP = "KV-cache and weight memory for a model (preset name, config.json, or 'list')"
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model",
+                        help="preset name, config.json path or folder; 'list' shows presets")
+    parser.add_argument("--dtype", default="bfloat16", help="KV/weight dtype (default bfloat16)")
+    parser.add_argument("--context", type=int, default=4096,
+                        help="tokens per sequence (default 4096)")
+    parser.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
+    parser.add_argument("--hbm-gib", type=float, default=None,
+                        help="device memory in GiB; when set, print a capacity plan")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence for the plan (default: --context)")
+    parser.add_argument("--avg-seq-len", type=int, default=None,
+                        help="typical sequence length for the plan (default: max-model-len // 2)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    parser.add_argument("--utilization", type=float, default=0.9,
+                        help="fraction of HBM the server may use (default 0.9)")
+
+
+def add_memory_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `memory` subcommand on an argparse subparsers object."""
+    parser = subparsers.add_parser("memory", help=HELP, description=HELP)
+    _add_arguments(parser)
+    parser.set_defaults(func=run_memory)
+    return parser
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    """Print the report; returns a process exit code."""
+    if args.model == "list":
+        for name in memory.PRESETS:
+            print(name)
+        return 0
+    try:
+        if args.context < 0 or args.batch < 0:
+            raise ValueError(
+                f"--context and --batch must be >= 0, got {args.context}, {args.batch}")
+        shape = memory.resolve_model(args.model)
+        per_token = memory.kv_bytes_per_token(shape, args.dtype)
+        total = memory.kv_bytes(shape, args.context, args.batch, args.dtype)
+        weights = memory.weight_bytes(shape, args.dtype)
+        plan = None
+        if args.hbm_gib is not None:
+            max_len = args.max_model_len if args.max_model_len is not None else args.context
+            avg_len = args.avg_seq_len if args.avg_seq_len is not None else max_len // 2
+            plan = memory.plan_capacity(
+                shape, int(args.hbm_gib * 2**30), dtype=args.dtype, max_model_len=max_len,
+                avg_seq_len=avg_len, page_size=args.page_size,
+                gpu_memory_utilization=args.utilization)
+    except ValueError as e:
+        print(f"jaxkv memory: error: {e}", file=sys.stderr)
+        return 2
+    print(f"model: {shape.name}  layers={shape.num_layers} hidden={shape.hidden_size} "
+          f"heads={shape.num_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
+          f"params={shape.num_params():,}")
+    print(f"KV per token ({args.dtype}): {per_token:,} bytes")
+    print(f"KV for {args.context:,} tokens x {args.batch} seq: {total:,} bytes = "
+          f"{memory.format_bytes(total)}")
+    print(f"weights ({args.dtype}): {weights:,} bytes = {memory.format_bytes(weights)}")
+    if plan is not None:
+        print()
+        print(plan.table())
+    return 0
+
+
+def main(argv=None) -> int:
+    """Run the `memory` subcommand on its own (for tests and direct use)."""
+    parser = argparse.ArgumentParser(prog="jaxkv memory", description=HELP)
+    _add_arguments(parser)
+    return run_memory(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

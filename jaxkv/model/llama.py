@@ -1,0 +1,115 @@
+"""Llama-family decoder in Flax NNX, applied to a flat batch of tokens.
+
+Axes: T tokens (ragged sequences flattened), E hidden, F MLP hidden, V vocab, L layers,
+H query heads, K kv heads, D head_dim.
+
+The model does not know how attention reads its context: the caller passes an
+``attention(layer, q_thd, k_tkd, v_tkd, carry) -> (out_thd, carry)`` function. The paged runtime
+writes K/V into pages carried through the layer scan; training and the no-cache baseline use
+dense causal attention. Layer weights are stacked on a leading L axis and applied with
+``jax.lax.scan``, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def rms_norm(x, weight, eps: float):
+    """HF RMSNorm: normalize in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """All L decoder layers' weights, each stacked on a leading L axis."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
+        c = config
+        l, e, f = c.num_layers, c.hidden_size, c.intermediate_size
+        hd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        init = nnx.initializers.normal(0.02)
+
+        def weight(*shape):
+            return nnx.Param(init(rngs.params(), (l, *shape), param_dtype))
+
+        def ones(*shape):
+            return nnx.Param(jnp.ones((l, *shape), param_dtype))
+
+        self.attn_norm = ones(e)
+        self.wq, self.wk, self.wv = weight(e, hd), weight(e, kd), weight(e, kd)
+        self.wo = weight(hd, e)
+        if c.attention_bias:
+            self.bq = nnx.Param(jnp.zeros((l, hd), param_dtype))
+            self.bk = nnx.Param(jnp.zeros((l, kd), param_dtype))
+            self.bv = nnx.Param(jnp.zeros((l, kd), param_dtype))
+        if c.qk_norm:
+            self.q_norm, self.k_norm = ones(c.head_dim), ones(c.head_dim)
+        self.mlp_norm = ones(e)
+        self.w_gate, self.w_up = weight(e, f), weight(e, f)
+        self.w_down = weight(f, e)
+
+
+class Llama(nnx.Module):
+    """A Llama/Mistral/Qwen2/Qwen3 decoder. ``dtype`` is the compute dtype."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        init = nnx.initializers.normal(0.02)
+        v, e = config.vocab_size, config.hidden_size
+        self.embed = nnx.Param(init(rngs.params(), (v, e), param_dtype))
+        self.layers = DecoderLayers(config, param_dtype=param_dtype, rngs=rngs)
+        self.final_norm = nnx.Param(jnp.ones((e,), param_dtype))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(init(rngs.params(), (e, v), param_dtype))
+        self._inv_freq = inverse_frequencies(config)  # numpy constant, not a parameter
+
+    def __call__(self, tokens_t, positions_t, attention: AttentionFn, carry):
+        """Hidden states f[T, E] after the final norm, and the attention carry."""
+        c = self.config
+        t = tokens_t.shape[0]
+        x = self.embed[...][tokens_t].astype(self.dtype)
+        cos, sin = rope_cos_sin(positions_t, self._inv_freq)
+        stacked = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
+
+        def layer(state, xs):
+            x, carry = state
+            p, index = xs
+            p = jax.tree.map(lambda w: w.astype(self.dtype), p)
+            h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if c.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q = q.reshape(t, c.num_heads, c.head_dim)
+            k = k.reshape(t, c.num_kv_heads, c.head_dim)
+            v = v.reshape(t, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out, carry = attention(index, q, k, v, carry)
+            x = x + out.reshape(t, -1).astype(self.dtype) @ p["wo"]
+            h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            return (x, carry), None
+
+        (x, carry), _ = jax.lax.scan(layer, (x, carry), (stacked, jnp.arange(c.num_layers)))
+        return rms_norm(x, self.final_norm[...], c.rms_norm_eps), carry
+
+    def logits(self, hidden):
+        """f32[..., V] next-token logits of hidden states [..., E]."""
+        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return (hidden @ head.astype(self.dtype)).astype(jnp.float32)

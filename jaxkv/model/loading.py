@@ -1,0 +1,151 @@
+"""Hugging Face checkpoints <-> jaxkv parameters (safetensors, single file or sharded).
+
+Every problem with a checkpoint is reported by tensor name: missing, unexpected, or of the
+wrong shape. HF stores linear weights as [out, in]; jaxkv stores [in, out] (``x @ w``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.llama import Llama
+
+# jaxkv stacked layer param -> (HF name inside model.layers.{i}., transpose?)
+_LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's tensors do not match its config."""
+
+
+def _tensor_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {str(folder)!r}"
+    )
+
+
+def abstract_model(config: ModelConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Llama:
+    """A model whose params are shape-only placeholders (no memory, no random init)."""
+    return nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype,
+                                        rngs=nnx.Rngs(0)))
+
+
+def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int, ...]]]:
+    """HF tensor name -> (jaxkv param, layer or None, transpose, HF shape)."""
+    out = {}
+    c = model.config
+    out["model.embed_tokens.weight"] = ("embed", None, False, (c.vocab_size, c.hidden_size))
+    out["model.norm.weight"] = ("final_norm", None, False, (c.hidden_size,))
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = ("lm_head", None, True, (c.vocab_size, c.hidden_size))
+    for name, (hf, transpose) in _LAYER_TENSORS.items():
+        var = getattr(model.layers, name, None)
+        if var is None:
+            continue
+        shape = tuple(var.shape[1:])
+        shape = shape[::-1] if transpose else shape
+        for i in range(c.num_layers):
+            out[f"model.layers.{i}.{hf}"] = (name, i, transpose, shape)
+    return out
+
+
+def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
+                param_dtype=jnp.float32) -> Llama:
+    """Loads a checkpoint folder into a `Llama`, checking every tensor against the config."""
+    folder = Path(folder)
+    model = abstract_model(config, dtype, param_dtype)
+    expected = _expected(model)
+    stacked: dict[str, np.ndarray] = {}
+    seen, unexpected, bad_shapes, bad_keys = set(), [], [], set()
+    for path in _tensor_files(folder):
+        with safe_open(str(path), framework="np") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if key not in expected:
+                    if key == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # some tied checkpoints store the shared matrix twice
+                    unexpected.append(key)
+                    continue
+                name, layer, transpose, shape = expected[key]
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != shape:
+                    bad_shapes.append(f"{key}: expected {shape}, got {tuple(tensor.shape)}")
+                    bad_keys.add(key)
+                    continue
+                seen.add(key)
+                tensor = tensor.T if transpose else tensor
+                if layer is None:
+                    stacked[name] = tensor
+                else:
+                    if name not in stacked:
+                        var = getattr(model.layers, name)
+                        stacked[name] = np.zeros(var.shape, tensor.dtype)
+                    stacked[name][layer] = tensor
+    missing = sorted(set(expected) - seen - bad_keys)
+    problems = []
+    if bad_shapes:
+        problems.append("wrong shape: " + "; ".join(bad_shapes))
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing[:8])
+                        + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:8])
+                        + (" ..." if len(unexpected) > 8 else ""))
+    if problems:
+        raise CheckpointError(f"checkpoint {str(folder)!r} does not match its config: "
+                              + " | ".join(problems))
+    for name, array in stacked.items():
+        owner = model if name in ("embed", "final_norm", "lm_head") else model.layers
+        getattr(owner, name).set_value(jnp.asarray(array, dtype=param_dtype))
+    return model
+
+
+def save_params(model: Llama, folder: str | Path, *, dtype=None) -> None:
+    """Writes config.json and model.safetensors in the Hugging Face layout."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for key, (name, layer, transpose, _) in _expected(model).items():
+        owner = model if layer is None else model.layers
+        array = np.asarray(jax.device_get(getattr(owner, name)[...]))
+        array = array if layer is None else array[layer]
+        array = array.T if transpose else array
+        tensors[key] = np.ascontiguousarray(array.astype(dtype) if dtype is not None else array)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf = model.config.to_hf_dict()
+    hf["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

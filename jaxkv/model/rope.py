@@ -1,0 +1,48 @@
+"""Rotary position embeddings, computed as Hugging Face computes them (float32, half-rotation)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """f32[D/2] inverse frequencies, with Llama-3 or linear scaling applied if configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    inv = inv.astype(np.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type == "linear":
+        return (inv / rs.factor).astype(np.float32)
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old = rs.original_max_position_embeddings
+    low_wavelen = old / rs.low_freq_factor
+    high_wavelen = old / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions_t, inv_freq):
+    """cos, sin of shape f32[T, D] for integer positions."""
+    freqs = positions_t.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_thd, cos_td, sin_td):
+    """Rotates [T, heads, D] by the angles of each token (HF's rotate_half convention)."""
+    half = x_thd.shape[-1] // 2
+    x1, x2 = x_thd[..., :half], x_thd[..., half:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    cos, sin = cos_td[:, None, :], sin_td[:, None, :]
+    return (x_thd.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x_thd.dtype)

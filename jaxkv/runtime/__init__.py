@@ -1,0 +1,1 @@
+"""The jit-compiled core: batch building, prefill/decode steps and sampling."""
