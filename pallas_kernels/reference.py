@@ -78,7 +78,7 @@ def ragged_paged_attention_reference(
     logits = jnp.where(mask_bql[:, None, None], logits, _MASKED)
 
     m = logits.max(axis=-1, keepdims=True)
-    p = jnp.exp(logits - m) * mask_bql[:, None, None]
+    p = jnp.where(mask_bql[:, None, None], jnp.exp(logits - m), 0.0)
     denom = jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
     out_bkgqd = jnp.einsum("bkgql,bkld->bkgqd", p / denom, v_bkld.astype(jnp.float32))
     out_bqhd = out_bkgqd.transpose(0, 3, 1, 2, 4).reshape(b, qmax, h, d)

@@ -75,14 +75,15 @@ class Llama(nnx.Module):
         self.final_norm = nnx.Param(jnp.ones((e,), param_dtype))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (e, v), param_dtype))
-        self._inv_freq = inverse_frequencies(config)  # numpy constant, not a parameter
 
     def __call__(self, tokens_t, positions_t, attention: AttentionFn, carry):
         """Hidden states f[T, E] after the final norm, and the attention carry."""
         c = self.config
         t = tokens_t.shape[0]
         x = self.embed[...][tokens_t].astype(self.dtype)
-        cos, sin = rope_cos_sin(positions_t, self._inv_freq)
+        # Recomputed from the static config at trace time (a host constant): an array attribute
+        # would become a placeholder under `nnx.eval_shape`, which checkpoint loading uses.
+        cos, sin = rope_cos_sin(positions_t, inverse_frequencies(c))
         stacked = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
 
         def layer(state, xs):

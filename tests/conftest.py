@@ -1,0 +1,33 @@
+"""Test setup: CPU, strict dtype promotion (silent upcasts are bugs), and shared tiny models."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from jaxkv import ModelConfig
+
+    return ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                       eos_token_ids=(3,))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config):
+    """A random model with sharpened logits, so greedy tokens have clear winners."""
+    import jaxkv
+    from flax import nnx
+
+    model = jaxkv.random_model(tiny_config, seed=0)
+    module = model.module()
+    module.embed.set_value(module.embed[...] * 25.0)
+    return jaxkv.Model.from_module(module)

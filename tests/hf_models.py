@@ -1,0 +1,60 @@
+"""Tiny random Hugging Face models, saved as offline checkpoints, for oracle tests.
+
+Each spec builds a `transformers` PyTorch model (fp32) of a supported family, perturbs every
+weight (HF initializes biases to zero and norm weights to one, which would hide those code
+paths), and writes it with ``save_pretrained`` so jaxkv loads it like any downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+              bos_token_id=1, eos_token_id=2)
+
+# name -> (HF config class, overrides of _SMALL)
+SPECS: dict[str, tuple[type, dict]] = {
+    "llama_mha": (transformers.LlamaConfig, dict(num_key_value_heads=4)),
+    # 4 query heads per kv head here; Qwen2/Qwen3/Mistral below use 2.
+    "llama_gqa": (transformers.LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=2)),
+    "llama_mqa": (transformers.LlamaConfig, dict(num_key_value_heads=1)),
+    "llama3_rope": (transformers.LlamaConfig, dict(
+        num_key_value_heads=2,
+        rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64,
+                             rope_theta=500000.0),
+    )),
+    "qwen2": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32)),
+    "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+    "mistral_swa": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=16)),
+}
+
+
+def hf_config(name: str):
+    """The HF config of spec `name`."""
+    cls, overrides = SPECS[name]
+    return cls(**{**_SMALL, **overrides})
+
+
+def build_hf_model(name: str, *, seed: int = 0, noise: float = 0.02):
+    """An fp32 HF causal LM of spec `name` with every weight perturbed, in eval mode."""
+    torch.manual_seed(seed)
+    config = hf_config(name)
+    config._attn_implementation = "eager"  # the plainest reference math
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # tied parameters appear once, so they stay tied
+            p.add_(torch.randn_like(p) * noise)
+    return model.eval()
+
+
+def save_hf_model(model, folder: str | Path, **kwargs) -> Path:
+    """Writes `model` as a safetensors checkpoint folder and returns it."""
+    folder = Path(folder)
+    model.save_pretrained(str(folder), safe_serialization=True, **kwargs)
+    return folder

@@ -1,0 +1,99 @@
+"""Cache vs no-cache, chunked prefill, page sizes, and batching all give the same greedy tokens."""
+
+import numpy as np
+import pytest
+
+import jaxkv
+
+GREEDY = jaxkv.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n, vocab, seed=0, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_config):
+    return _prompts(3, tiny_config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, prompts):
+    return jaxkv.generate(tiny_model, prompts, GREEDY)
+
+
+def test_cache_equals_no_cache(tiny_model, prompts, baseline):
+    assert jaxkv.generate_no_cache(tiny_model, prompts, GREEDY) == baseline
+    assert all(len(out) == GREEDY.max_tokens for out in baseline)
+
+
+def test_outputs_are_not_degenerate(baseline):
+    # A model that always emits one token would make every equality above trivially true.
+    assert len({t for out in baseline for t in out}) > 5
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, None])
+def test_chunked_prefill_equals_one_shot(tiny_model, prompts, baseline, chunk):
+    assert jaxkv.generate(tiny_model, prompts, GREEDY, prefill_chunk=chunk) == baseline
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 16, 128])
+def test_page_sizes_agree(tiny_model, prompts, baseline, page_size):
+    assert jaxkv.generate(tiny_model, prompts, GREEDY, page_size=page_size) == baseline
+
+
+def test_mixed_batch_equals_each_alone(tiny_model, tiny_config):
+    prompts = _prompts(5, tiny_config.vocab_size, seed=1, lo=1, hi=60)
+    together = jaxkv.generate(tiny_model, prompts, GREEDY)
+    alone = [jaxkv.generate(tiny_model, [p], GREEDY)[0] for p in prompts]
+    assert together == alone
+
+
+def test_stop_tokens_and_max_tokens(tiny_model, prompts, baseline):
+    stop_at = baseline[0][5]
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop_at,),
+                              ignore_eos=True)
+    out = jaxkv.generate(tiny_model, prompts[:1], sp)[0]
+    first = baseline[0].index(stop_at)
+    assert out == baseline[0][: first + 1]
+    sp_min = jaxkv.SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop_at,),
+                                  min_tokens=first + 2, ignore_eos=True)
+    assert len(jaxkv.generate(tiny_model, prompts[:1], sp_min)[0]) > first + 1
+
+
+def test_seeded_sampling_is_reproducible_and_per_request(tiny_model, prompts):
+    sp = jaxkv.SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
+    a = jaxkv.generate(tiny_model, prompts, sp)
+    b = jaxkv.generate(tiny_model, prompts[::-1], sp)[::-1]
+    assert a == b  # a request's samples do not depend on its batch neighbours
+    other = jaxkv.generate(tiny_model, prompts, jaxkv.SamplingParams(
+        temperature=1.0, max_tokens=16, seed=8, ignore_eos=True))
+    assert a != other
+
+
+def test_n_samples_differ(tiny_model, prompts):
+    sp = jaxkv.SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True)
+    out = jaxkv.generate(tiny_model, prompts[:2], sp)
+    assert len(out) == 6
+    assert len({tuple(o) for o in out[:3]}) > 1
+
+
+@pytest.mark.parametrize("bad, field", [
+    ([[]], "prompts[0]"),
+    ([[1, 2, 10_000]], "10000"),
+    ([[1, -1]], "-1"),
+])
+def test_bad_prompts_are_named(tiny_model, bad, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        jaxkv.generate(tiny_model, bad, GREEDY)
+
+
+def test_strings_need_a_tokenizer(tiny_model):
+    with pytest.raises(ValueError, match="tokenizer"):
+        jaxkv.generate(tiny_model, ["hello"], GREEDY)
+
+
+def test_bad_page_size(tiny_model, prompts):
+    with pytest.raises(ValueError, match="page_size"):
+        jaxkv.generate(tiny_model, prompts, GREEDY, page_size=12)

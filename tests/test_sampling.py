@@ -1,0 +1,78 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-row keys; SamplingParams validation."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.runtime.sampling import SamplingArrays, sample
+
+
+def _keys(n, seed=0):
+    return np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(seed + i)), np.uint32)
+                     for i in range(n)])
+
+
+def _draw(logits, n, **row):
+    """n samples of one row of logits, each with its own key."""
+    arrays = SamplingArrays.build([row.get("temperature", 1.0)] * n, [row.get("top_k", 0)] * n,
+                                  [row.get("top_p", 1.0)] * n, [0] * n, n)
+    return np.asarray(sample(np.tile(logits, (n, 1)), _keys(n), arrays))
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(0).standard_normal((5, 50)).astype(np.float32)
+    arrays = SamplingArrays.build([0.0] * 5, [0] * 5, [1.0] * 5, [0] * 5, 5)
+    np.testing.assert_array_equal(np.asarray(sample(logits, _keys(5), arrays)),
+                                  logits.argmax(-1))
+
+
+def test_temperature_matches_softmax_frequencies():
+    logits = np.log(np.array([0.5, 0.3, 0.2, 1e-9], np.float32))
+    draws = _draw(logits, 4000, temperature=1.0)
+    freq = np.bincount(draws, minlength=4) / draws.size
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.2, 0.0], atol=0.03, rtol=0)
+
+
+def test_top_k_keeps_only_k_best():
+    logits = np.array([3.0, 2.9, 2.8, 2.7, 0.0], np.float32)
+    assert set(_draw(logits, 500, top_k=2).tolist()) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_covering_set():
+    logits = np.log(np.array([0.6, 0.25, 0.1, 0.05], np.float32))
+    # 0.6 < 0.7 so token 1 is needed; 0.85 >= 0.7 so tokens 2, 3 are cut.
+    assert set(_draw(logits, 500, top_p=0.7).tolist()) == {0, 1}
+    assert set(_draw(logits, 500, top_p=0.5).tolist()) == {0}
+
+
+def test_rows_use_their_own_keys_and_steps():
+    logits = np.zeros((2, 1000), np.float32)
+    keys = _keys(2)
+    a = SamplingArrays.build([1.0, 1.0], [0, 0], [1.0, 1.0], [0, 0], 2)
+    b = SamplingArrays.build([1.0, 1.0], [0, 0], [1.0, 1.0], [0, 1], 2)
+    out_a = np.asarray(sample(logits, keys, a))
+    out_b = np.asarray(sample(logits, keys, b))
+    swapped = np.asarray(sample(logits, keys[::-1].copy(), a))
+    assert out_a[0] == out_b[0] and out_a[1] != out_b[1]  # the step counter changes the draw
+    np.testing.assert_array_equal(swapped, out_a[::-1])  # the key, not the row, decides
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=0), "n"), (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=math.nan), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=-1), "seed"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_follow_vllm():
+    sp = SamplingParams()
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (1, 1.0, 1.0, 0, 16)
+    assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
