@@ -24,8 +24,8 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config):
     """A random model with sharpened logits, so greedy tokens have clear winners."""
+
     import jaxkv
-    from flax import nnx
 
     model = jaxkv.random_model(tiny_config, seed=0)
     module = model.module()

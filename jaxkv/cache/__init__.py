@@ -1,1 +1,1 @@
-"""Host-side KV bookkeeping: page allocator, prefix cache, memory planning (plain Python, no jax)."""
+"""Host-side KV bookkeeping: page allocator, prefix cache, memory planning (no jax)."""

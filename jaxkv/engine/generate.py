@@ -53,6 +53,9 @@ class GenerationStats:
     kv_pages_used: int = 0
     page_size: int = 0
     kv_bytes_per_token: int = 0
+    # After each step that sampled: seconds since the call started, tokens generated so far.
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    token_counts: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -146,6 +149,8 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
                                       [s.params.top_p for s in chosen],
                                       [len(s.out) for s in chosen], b)
         tokens = np.asarray(sample(logits[np.asarray(idx + [0] * (b - len(idx)))], keys, arrays))
+        stats.token_times.append(time.perf_counter() - t0)
+        stats.token_counts.append(sum(len(s.out) for s in seqs) + len(chosen))
         for s, tok in zip(chosen, tokens[: len(idx)].tolist(), strict=True):
             s.out.append(tok)
             sp = s.params

@@ -145,6 +145,9 @@ def _from_hf_config(hf) -> ModelConfig:
         raise UnsupportedModelError(f"pretraining_tp={hf.pretraining_tp} is not supported")
 
     rope = _rope_dict(hf)
+    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported (only 1)")
     rope_theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rope_type not in _SUPPORTED_ROPE_TYPES:

@@ -33,45 +33,68 @@ def rms_norm(x, weight, eps: float):
 
 
 class DecoderLayers(nnx.Module):
-    """All L decoder layers' weights, each stacked on a leading L axis."""
+    """All L decoder layers' weights, by name.
 
-    def __init__(self, config: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
+    Stacked (``scan=True``): one Param per name with a leading L axis, applied with
+    ``jax.lax.scan`` so compile time does not grow with depth (the layout for GPU and TPU, where
+    XLA fuses the per-layer slice into the matmul). Unstacked (``scan=False``): a list of L
+    Params per name, applied by a Python loop; XLA:CPU copies every sliced weight before its
+    matmul, which made scanned decode ~3-4x slower there, so this is the CPU default.
+    """
+
+    def __init__(self, config: ModelConfig, *, scan: bool, param_dtype, rngs: nnx.Rngs):
         c = config
-        l, e, f = c.num_layers, c.hidden_size, c.intermediate_size
+        self.scan = scan
+        e, f = c.hidden_size, c.intermediate_size
         hd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         init = nnx.initializers.normal(0.02)
-
-        def weight(*shape):
-            return nnx.Param(init(rngs.params(), (l, *shape), param_dtype))
-
-        def ones(*shape):
-            return nnx.Param(jnp.ones((l, *shape), param_dtype))
-
-        self.attn_norm = ones(e)
-        self.wq, self.wk, self.wv = weight(e, hd), weight(e, kd), weight(e, kd)
-        self.wo = weight(hd, e)
+        shapes = {"attn_norm": (e,), "wq": (e, hd), "wk": (e, kd), "wv": (e, kd),
+                  "wo": (hd, e), "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f),
+                  "w_down": (f, e)}
         if c.attention_bias:
-            self.bq = nnx.Param(jnp.zeros((l, hd), param_dtype))
-            self.bk = nnx.Param(jnp.zeros((l, kd), param_dtype))
-            self.bv = nnx.Param(jnp.zeros((l, kd), param_dtype))
+            shapes.update(bq=(hd,), bk=(kd,), bv=(kd,))
         if c.qk_norm:
-            self.q_norm, self.k_norm = ones(c.head_dim), ones(c.head_dim)
-        self.mlp_norm = ones(e)
-        self.w_gate, self.w_up = weight(e, f), weight(e, f)
-        self.w_down = weight(f, e)
+            shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+
+        def make(name, shape):
+            if name.endswith("norm"):
+                return nnx.Param(jnp.ones(shape, param_dtype))
+            if name.startswith("b"):
+                return nnx.Param(jnp.zeros(shape, param_dtype))
+            return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+        self.names = tuple(shapes)
+        for name, shape in shapes.items():
+            if scan:
+                setattr(self, name, make(name, (c.num_layers, *shape)))
+            else:
+                setattr(self, name, nnx.List([make(name, shape) for _ in range(c.num_layers)]))
+
+    def param(self, name: str, layer: int):
+        """The Param holding `name` of one layer (for loading and saving)."""
+        return getattr(self, name) if self.scan else getattr(self, name)[layer]
+
+    def stacked(self) -> dict:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+    def layer(self, i: int) -> dict:
+        return {name: getattr(self, name)[i][...] for name in self.names}
 
 
 class Llama(nnx.Module):
     """A Llama/Mistral/Qwen2/Qwen3 decoder. ``dtype`` is the compute dtype."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 scan_layers: bool | None = None, rngs: nnx.Rngs):
+        if scan_layers is None:
+            scan_layers = jax.default_backend() != "cpu"
         self.config = config
         self.dtype = dtype
         init = nnx.initializers.normal(0.02)
         v, e = config.vocab_size, config.hidden_size
         self.embed = nnx.Param(init(rngs.params(), (v, e), param_dtype))
-        self.layers = DecoderLayers(config, param_dtype=param_dtype, rngs=rngs)
+        self.layers = DecoderLayers(config, scan=scan_layers, param_dtype=param_dtype,
+                                    rngs=rngs)
         self.final_norm = nnx.Param(jnp.ones((e,), param_dtype))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (e, v), param_dtype))
@@ -84,8 +107,6 @@ class Llama(nnx.Module):
         # Recomputed from the static config at trace time (a host constant): an array attribute
         # would become a placeholder under `nnx.eval_shape`, which checkpoint loading uses.
         cos, sin = rope_cos_sin(positions_t, inverse_frequencies(c))
-        stacked = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
-
         def layer(state, xs):
             x, carry = state
             p, index = xs
@@ -107,10 +128,19 @@ class Llama(nnx.Module):
             x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
             return (x, carry), None
 
-        (x, carry), _ = jax.lax.scan(layer, (x, carry), (stacked, jnp.arange(c.num_layers)))
+        if self.layers.scan:
+            xs = (self.layers.stacked(), jnp.arange(c.num_layers))
+            (x, carry), _ = jax.lax.scan(layer, (x, carry), xs)
+        else:
+            for i in range(c.num_layers):
+                (x, carry), _ = layer((x, carry), (self.layers.layer(i), i))
         return rms_norm(x, self.final_norm[...], c.rms_norm_eps), carry
 
     def logits(self, hidden):
         """f32[..., V] next-token logits of hidden states [..., E]."""
-        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return (hidden @ head.astype(self.dtype)).astype(jnp.float32)
+        if self.config.tie_word_embeddings:
+            # Contract against the [V, E] table directly: `embed.T` would copy it every step.
+            logits = jnp.einsum("...e,ve->...v", hidden, self.embed[...].astype(self.dtype))
+        else:
+            logits = hidden @ self.lm_head[...].astype(self.dtype)
+        return logits.astype(jnp.float32)

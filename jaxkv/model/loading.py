@@ -55,10 +55,11 @@ def _tensor_files(folder: Path) -> list[Path]:
     )
 
 
-def abstract_model(config: ModelConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Llama:
+def abstract_model(config: ModelConfig, dtype=jnp.float32, param_dtype=jnp.float32,
+                   scan_layers: bool | None = None) -> Llama:
     """A model whose params are shape-only placeholders (no memory, no random init)."""
     return nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype,
-                                        rngs=nnx.Rngs(0)))
+                                        scan_layers=scan_layers, rngs=nnx.Rngs(0)))
 
 
 def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int, ...]]]:
@@ -70,10 +71,9 @@ def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int,
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = ("lm_head", None, True, (c.vocab_size, c.hidden_size))
     for name, (hf, transpose) in _LAYER_TENSORS.items():
-        var = getattr(model.layers, name, None)
-        if var is None:
+        if name not in model.layers.names:
             continue
-        shape = tuple(var.shape[1:])
+        shape = tuple(model.layers.param(name, 0).shape[1 if model.layers.scan else 0:])
         shape = shape[::-1] if transpose else shape
         for i in range(c.num_layers):
             out[f"model.layers.{i}.{hf}"] = (name, i, transpose, shape)
@@ -81,12 +81,12 @@ def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int,
 
 
 def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
-                param_dtype=jnp.float32) -> Llama:
+                param_dtype=jnp.float32, scan_layers: bool | None = None) -> Llama:
     """Loads a checkpoint folder into a `Llama`, checking every tensor against the config."""
     folder = Path(folder)
-    model = abstract_model(config, dtype, param_dtype)
+    model = abstract_model(config, dtype, param_dtype, scan_layers)
     expected = _expected(model)
-    stacked: dict[str, np.ndarray] = {}
+    loaded: dict[tuple[str, int | None], np.ndarray] = {}
     seen, unexpected, bad_shapes, bad_keys = set(), [], [], set()
     for path in _tensor_files(folder):
         with safe_open(str(path), framework="np") as f:
@@ -105,14 +105,7 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
                     bad_keys.add(key)
                     continue
                 seen.add(key)
-                tensor = tensor.T if transpose else tensor
-                if layer is None:
-                    stacked[name] = tensor
-                else:
-                    if name not in stacked:
-                        var = getattr(model.layers, name)
-                        stacked[name] = np.zeros(var.shape, tensor.dtype)
-                    stacked[name][layer] = tensor
+                loaded[name, layer] = tensor.T if transpose else tensor
     missing = sorted(set(expected) - seen - bad_keys)
     problems = []
     if bad_shapes:
@@ -126,9 +119,15 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
     if problems:
         raise CheckpointError(f"checkpoint {str(folder)!r} does not match its config: "
                               + " | ".join(problems))
-    for name, array in stacked.items():
-        owner = model if name in ("embed", "final_norm", "lm_head") else model.layers
-        getattr(owner, name).set_value(jnp.asarray(array, dtype=param_dtype))
+    for (name, layer), array in loaded.items():
+        if layer is None:
+            getattr(model, name).set_value(jnp.asarray(array, dtype=param_dtype))
+        elif not model.layers.scan:
+            model.layers.param(name, layer).set_value(jnp.asarray(array, dtype=param_dtype))
+    if model.layers.scan:
+        for name in model.layers.names:
+            stacked = np.stack([loaded[name, i] for i in range(config.num_layers)])
+            getattr(model.layers, name).set_value(jnp.asarray(stacked, dtype=param_dtype))
     return model
 
 
@@ -140,9 +139,9 @@ def save_params(model: Llama, folder: str | Path, *, dtype=None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for key, (name, layer, transpose, _) in _expected(model).items():
-        owner = model if layer is None else model.layers
-        array = np.asarray(jax.device_get(getattr(owner, name)[...]))
-        array = array if layer is None else array[layer]
+        var = getattr(model, name) if layer is None else model.layers.param(name, layer)
+        array = np.asarray(jax.device_get(var[...]))
+        array = array[layer] if layer is not None and model.layers.scan else array
         array = array.T if transpose else array
         tensors[key] = np.ascontiguousarray(array.astype(dtype) if dtype is not None else array)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -57,16 +57,20 @@ def _dtype(name):
     return _DTYPES[name]
 
 
-def load_pretrained(path: str | Path, *, dtype: str = "float32",
-                    param_dtype: str | None = None) -> Model:
-    """Loads an HF checkpoint folder (config.json + safetensors [+ tokenizer])."""
+def load_pretrained(path: str | Path, *, dtype: str = "float32", param_dtype: str | None = None,
+                    scan_layers: bool | None = None) -> Model:
+    """Loads an HF checkpoint folder (config.json + safetensors [+ tokenizer]).
+
+    ``scan_layers`` (default: True except on CPU) picks the layer layout; see DecoderLayers.
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"load_pretrained: checkpoint folder {str(folder)!r} not found")
     config = ModelConfig.from_hf(folder)
     compute = _dtype(dtype)
     module = load_params(folder, config, dtype=compute,
-                         param_dtype=_dtype(param_dtype) if param_dtype else compute)
+                         param_dtype=_dtype(param_dtype) if param_dtype else compute,
+                         scan_layers=scan_layers)
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
@@ -84,8 +88,10 @@ def load_default(*, dtype: str = "float32") -> Model:
     return load_pretrained(DEFAULT_MODEL_DIR, dtype=dtype)
 
 
-def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") -> Model:
+def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32",
+                 scan_layers: bool | None = None) -> Model:
     """A randomly initialized model (tests, benchmarks)."""
     compute = _dtype(dtype)
-    module = Llama(config, dtype=compute, param_dtype=compute, rngs=nnx.Rngs(seed))
+    module = Llama(config, dtype=compute, param_dtype=compute, scan_layers=scan_layers,
+                   rngs=nnx.Rngs(seed))
     return Model.from_module(module)

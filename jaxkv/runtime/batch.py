@@ -53,7 +53,7 @@ class StepBatch:
 
 def build_batch(rows: Sequence[Row], *, page_size: int, num_pages: int, max_seqs: int,
                 max_pages_per_seq: int, vocab_size: int | None = None,
-                min_tokens: int = 8, min_rows: int = 1) -> StepBatch:
+                min_tokens: int = 1, min_rows: int = 1) -> StepBatch:
     """Packs rows into a bucketed StepBatch, validating every index it will write."""
     if not rows:
         raise ValueError("build_batch: rows is empty")
