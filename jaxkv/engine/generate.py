@@ -97,9 +97,13 @@ def _base_key(seed: int, sample_index: int) -> np.ndarray:
 
 def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int = 16,
                         prefill_chunk: int | None = None, attention_impl: str = "auto",
-                        recompute: bool = False,
+                        recompute: bool = False, exact_shapes: bool = False,
                         token_budget: int = DEFAULT_TOKEN_BUDGET):
-    """`generate`, also returning a GenerationStats."""
+    """`generate`, also returning a GenerationStats.
+
+    ``recompute=True`` is the no-cache baseline. ``exact_shapes=True`` runs unpadded shapes
+    (a program per length), so that timing a baseline measures its work, not bucket padding.
+    """
     if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size!r}")
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
@@ -129,7 +133,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     def batch_of(rows):
         return build_batch(rows, page_size=page_size, num_pages=allocator.num_pages,
                            max_seqs=len(seqs), max_pages_per_seq=width,
-                           vocab_size=cfg.vocab_size)
+                           vocab_size=cfg.vocab_size, bucketed=not exact_shapes)
 
     def run(step_fn, rows, finishing):
         """One step; samples a token for each row in `finishing` (a row index -> seq map)."""
@@ -139,19 +143,20 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         stats.steps += 1
         if not finishing:
             return
+        # Sample every row (rows that are not finishing a prompt are greedy and ignored).
         b = batch.slots.shape[0]
-        idx = list(finishing)
-        chosen = [finishing[i] for i in idx]
         keys = np.zeros((b, 2), np.uint32)
-        keys[: len(idx)] = [s.key for s in chosen]
-        arrays = SamplingArrays.build([s.params.temperature for s in chosen],
-                                      [s.params.top_k for s in chosen],
-                                      [s.params.top_p for s in chosen],
-                                      [len(s.out) for s in chosen], b)
-        tokens = np.asarray(sample(logits[np.asarray(idx + [0] * (b - len(idx)))], keys, arrays))
+        temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
+        top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
+        for i, s in finishing.items():
+            sp = s.params
+            keys[i], step[i] = s.key, len(s.out)
+            temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+        tokens = np.asarray(sample(logits, keys, SamplingArrays(temperature, top_k, top_p, step)))
         stats.token_times.append(time.perf_counter() - t0)
-        stats.token_counts.append(sum(len(s.out) for s in seqs) + len(chosen))
-        for s, tok in zip(chosen, tokens[: len(idx)].tolist(), strict=True):
+        stats.token_counts.append(sum(len(s.out) for s in seqs) + len(finishing))
+        for i, s in finishing.items():
+            tok = int(tokens[i])
             s.out.append(tok)
             sp = s.params
             stop = tok in sp.stop_token_ids or (tok in eos and not sp.ignore_eos)

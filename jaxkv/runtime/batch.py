@@ -53,17 +53,22 @@ class StepBatch:
 
 def build_batch(rows: Sequence[Row], *, page_size: int, num_pages: int, max_seqs: int,
                 max_pages_per_seq: int, vocab_size: int | None = None,
-                min_tokens: int = 1, min_rows: int = 1) -> StepBatch:
-    """Packs rows into a bucketed StepBatch, validating every index it will write."""
+                min_tokens: int = 1, min_rows: int = 1, bucketed: bool = True) -> StepBatch:
+    """Packs rows into a StepBatch, validating every index it will write.
+
+    ``bucketed=False`` keeps exact sizes (one program per shape): for baselines whose cost
+    must not include padding.
+    """
+    size = bucket if bucketed else (lambda n, minimum=1: max(n, minimum))
     if not rows:
         raise ValueError("build_batch: rows is empty")
     n = len(rows)
     total = sum(len(r.tokens) for r in rows)
     longest = max(len(r.tokens) for r in rows)
     width = max(-(-(r.start + len(r.tokens)) // page_size) for r in rows)
-    t_pad = bucket(total, min_tokens)
-    b_pad = bucket(n, min_rows)
-    w_pad = min(bucket(width), max_pages_per_seq)
+    t_pad = size(total, min_tokens)
+    b_pad = size(n, min_rows)
+    w_pad = min(size(width), max_pages_per_seq)
 
     tokens = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -112,5 +117,5 @@ def build_batch(rows: Sequence[Row], *, page_size: int, num_pages: int, max_seqs
     return StepBatch(
         tokens=tokens, positions=positions, write_pages=write_pages,
         write_offsets=write_offsets, slots=slots, page_table=page_table, kv_lens=kv_lens,
-        cu_q_lens=cu, num_seqs=np.int32(n), max_q_len=min(bucket(longest), t_pad),
+        cu_q_lens=cu, num_seqs=np.int32(n), max_q_len=min(size(longest), t_pad),
     )
