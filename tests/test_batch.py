@@ -18,7 +18,7 @@ def test_build_batch_layout():
     rows = [Row(slot=2, tokens=[5, 6, 7], start=0, pages=[4, 1]),
             Row(slot=0, tokens=[9], start=5, pages=[3, 0, 2])]
     b = build_batch(rows, page_size=2, num_pages=5, max_seqs=4, max_pages_per_seq=4,
-                    vocab_size=10)
+                    vocab_size=10, min_tokens=8)
     assert b.tokens.shape == (8,) and b.slots.shape == (2,)
     np.testing.assert_array_equal(b.tokens[:4], [5, 6, 7, 9])
     np.testing.assert_array_equal(b.positions[:4], [0, 1, 2, 5])
@@ -42,3 +42,12 @@ def test_build_batch_rejects(row, match):
     with pytest.raises(ValueError, match=match):
         build_batch([row], page_size=2, num_pages=4, max_seqs=2, max_pages_per_seq=3,
                     vocab_size=10)
+
+
+def test_unbucketed_pads_tokens_to_16_only():
+    rows = [Row(slot=0, tokens=list(range(1, 20)), start=0, pages=[0, 1, 2])]
+    b = build_batch(rows, page_size=8, num_pages=3, max_seqs=1, max_pages_per_seq=3,
+                    bucketed=False)
+    assert b.tokens.shape == (32,) and b.page_table.shape == (1, 3) and b.max_q_len == 32
+    assert build_batch(rows, page_size=8, num_pages=3, max_seqs=1,
+                       max_pages_per_seq=3).tokens.shape == (24,)  # bucket(19)

@@ -101,8 +101,9 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
                         token_budget: int = DEFAULT_TOKEN_BUDGET):
     """`generate`, also returning a GenerationStats.
 
-    ``recompute=True`` is the no-cache baseline. ``exact_shapes=True`` runs unpadded shapes
-    (a program per length), so that timing a baseline measures its work, not bucket padding.
+    ``recompute=True`` is the no-cache baseline. ``exact_shapes=True`` pads token counts only
+    to a multiple of 16 (a program per 16 tokens), so that timing a baseline measures its
+    work rather than bucket padding.
     """
     if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size!r}")

@@ -56,17 +56,24 @@ def build_batch(rows: Sequence[Row], *, page_size: int, num_pages: int, max_seqs
                 min_tokens: int = 1, min_rows: int = 1, bucketed: bool = True) -> StepBatch:
     """Packs rows into a StepBatch, validating every index it will write.
 
-    ``bucketed=False`` keeps exact sizes (one program per shape): for baselines whose cost
-    must not include padding.
+    ``bucketed=False`` pads only to a multiple of 16 tokens (rows and pages exact): for
+    baselines whose timing should hold almost no padding, at one program per 16 tokens.
     """
-    size = bucket if bucketed else (lambda n, minimum=1: max(n, minimum))
+    def fine(n, minimum=1):
+        return max(n, minimum)
+
+    def fine_tokens(n, minimum=1):
+        return -(-max(n, minimum) // 16) * 16
+
+    size = bucket if bucketed else fine
+    size_t = bucket if bucketed else fine_tokens
     if not rows:
         raise ValueError("build_batch: rows is empty")
     n = len(rows)
     total = sum(len(r.tokens) for r in rows)
     longest = max(len(r.tokens) for r in rows)
     width = max(-(-(r.start + len(r.tokens)) // page_size) for r in rows)
-    t_pad = size(total, min_tokens)
+    t_pad = size_t(total, min_tokens)
     b_pad = size(n, min_rows)
     w_pad = min(size(width), max_pages_per_seq)
 
@@ -117,5 +124,5 @@ def build_batch(rows: Sequence[Row], *, page_size: int, num_pages: int, max_seqs
     return StepBatch(
         tokens=tokens, positions=positions, write_pages=write_pages,
         write_offsets=write_offsets, slots=slots, page_table=page_table, kv_lens=kv_lens,
-        cu_q_lens=cu, num_seqs=np.int32(n), max_q_len=min(size(longest), t_pad),
+        cu_q_lens=cu, num_seqs=np.int32(n), max_q_len=min(size_t(longest), t_pad),
     )
