@@ -77,6 +77,9 @@ def ragged_paged_attention_reference(
     mask_bql &= valid_bq[:, :, None]
     logits = jnp.where(mask_bql[:, None, None], logits, _MASKED)
 
+    # Keys past a sequence's length may sit in freed pages holding anything, NaN included:
+    # zero their values so a masked (zero) probability can never meet a NaN.
+    v_bkld = jnp.where((k_pos_l[None, :] < kv_lens[:, None])[:, None, :, None], v_bkld, 0)
     m = logits.max(axis=-1, keepdims=True)
     p = jnp.where(mask_bql[:, None, None], jnp.exp(logits - m), 0.0)
     denom = jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
@@ -86,7 +89,8 @@ def ragged_paged_attention_reference(
     # Scatter back to the flat token layout; tokens past the last real row stay zero.
     seq_t = jnp.clip(jnp.searchsorted(cu_q_lens, jnp.arange(t), side="right") - 1, 0, b - 1)
     i_t = jnp.arange(t) - starts[seq_t]
-    valid_t = (jnp.arange(t) < cu_q_lens[num_seqs]) & (i_t < qmax)
+    valid_t = ((jnp.arange(t) >= cu_q_lens[0]) & (jnp.arange(t) < cu_q_lens[num_seqs])
+               & (i_t < qmax))
     out_thd = out_bqhd[seq_t, jnp.clip(i_t, 0, qmax - 1)]
     return jnp.where(valid_t[:, None, None], out_thd, 0).astype(q.dtype)
 

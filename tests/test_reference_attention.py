@@ -117,3 +117,22 @@ def test_random_ragged_batches(data):
     t = sum(q_lens)
     np.testing.assert_allclose(np.asarray(got)[:t], want[:t], atol=1e-5, rtol=1e-5)
     assert np.isfinite(np.asarray(got)).all()
+
+
+def test_nan_in_freed_pages_is_never_read():
+    rng = np.random.default_rng(3)
+    kv_lens, q_lens = [5, 2], [2, 1]
+    q, kp, vp, table, lens, cu, n, kd, vd = _case(rng, kv_lens=kv_lens, q_lens=q_lens)
+    clean = ragged_paged_attention_reference(
+        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), jnp.asarray(lens),
+        jnp.asarray(cu), jnp.asarray(n), sm_scale=0.3)
+    used = {int(p) for b, kv in enumerate(kv_lens) for p in table[b, : -(-kv // 4)]}
+    for page in range(kp.shape[1]):
+        if page not in used:  # a freed page, possibly still named by a stale table slot
+            kp[:, page], vp[:, page] = np.nan, np.nan
+    kp[:, table[0, 1], 1:], vp[:, table[0, 1], 1:] = np.nan, np.nan  # past seq 0's length
+    table[1, 1] = [p for p in range(kp.shape[1]) if p not in used][0]  # stale slot -> freed
+    dirty = ragged_paged_attention_reference(
+        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), jnp.asarray(lens),
+        jnp.asarray(cu), jnp.asarray(n), sm_scale=0.3)
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))

@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.attention import check_attention_impl, ragged_paged_attention
+from jaxkv.attention import check_attention_impl, paged_attention
 from jaxkv.kv import PagedKVState, write_kv
 from jaxkv.runtime.batch import StepBatch
 
 
-def _step(graphdef, impl: str, params, state: PagedKVState, batch: StepBatch):
+def _step(graphdef, impl: str, decode: bool, params, state: PagedKVState, batch: StepBatch):
+    if decode and batch.max_q_len != 1:
+        raise ValueError(f"decode takes one token per row, got max_q_len={batch.max_q_len}")
     model = nnx.merge(graphdef, params)
     c = model.config
 
@@ -29,9 +31,9 @@ def _step(graphdef, impl: str, params, state: PagedKVState, batch: StepBatch):
         k_pages, v_pages = carry
         k_pages = write_kv(k_pages, layer, k, batch.write_pages, batch.write_offsets)
         v_pages = write_kv(v_pages, layer, v, batch.write_pages, batch.write_offsets)
-        out = ragged_paged_attention(
-            q, k_pages[layer], v_pages[layer], batch.page_table, batch.kv_lens,
-            batch.cu_q_lens, batch.num_seqs, sm_scale=c.sm_scale,
+        out = paged_attention(
+            q, k_pages, v_pages, layer, batch.page_table, batch.kv_lens, batch.cu_q_lens,
+            batch.num_seqs, decode=decode, sm_scale=c.sm_scale,
             sliding_window=c.sliding_window, max_q_len=batch.max_q_len, impl=impl,
         )
         return out, (k_pages, v_pages)
@@ -62,8 +64,8 @@ class Steps(NamedTuple):
 def make_steps(graphdef, attention_impl: str = "auto") -> Steps:
     """Jitted ``prefill`` and ``decode`` for a model graph; cached so they compile once."""
     check_attention_impl(attention_impl)
-    step = functools.partial(_step, graphdef, attention_impl)
-    # Two entry points with separate caches: prefill shapes never evict decode programs.
-    prefill = jax.jit(step, donate_argnums=(1,))
-    decode = jax.jit(functools.partial(_step, graphdef, attention_impl), donate_argnums=(1,))
+    prefill = jax.jit(functools.partial(_step, graphdef, attention_impl, False),
+                      donate_argnums=(1,))
+    decode = jax.jit(functools.partial(_step, graphdef, attention_impl, True),
+                     donate_argnums=(1,))
     return Steps(prefill=prefill, decode=decode)

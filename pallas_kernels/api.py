@@ -1,0 +1,119 @@
+"""Public paged-attention entry points, dispatching to a backend.
+
+``backend``: "auto" (the kernel for the default platform: Triton-lowered Pallas on GPU,
+Mosaic on TPU, the jnp reference elsewhere), "gpu", "tpu", or "reference".
+``interpret=True`` runs the chosen kernel in Pallas interpret mode, on any platform (the
+TPU kernel under ``pltpu.force_tpu_interpret_mode()``), which is how CPU tests execute
+kernel code. Pages are ``[K, P, S, D]``, or ``[L, K, P, S, D]`` with ``layer`` selecting the
+layer inside the kernel, so a caller scanning over layers never copies a layer's pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.gpu_paged_attention import (
+    paged_decode_attention_gpu,
+    ragged_paged_attention_gpu,
+)
+from pallas_kernels.reference import (
+    paged_decode_attention_reference,
+    ragged_paged_attention_reference,
+)
+from pallas_kernels.tpu_ragged_paged_attention import (
+    paged_decode_attention_tpu,
+    ragged_paged_attention_tpu,
+)
+
+BACKENDS = ("auto", "gpu", "tpu", "reference")
+
+
+def resolve_backend(backend: str) -> str:
+    """The concrete backend for a name ("auto" looks at jax.default_backend())."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    return platform if platform in ("gpu", "tpu") else "reference"
+
+
+def _layer_slice(k_pages, v_pages, layer):
+    if k_pages.ndim == 5:
+        if layer is None:
+            raise ValueError("layer is required with 5-D pages [L, K, P, S, D]")
+        return k_pages[layer], v_pages[layer]
+    return k_pages, v_pages
+
+
+def _mode(backend: str, interpret: bool):
+    if interpret and backend == "tpu":
+        return pltpu.force_tpu_interpret_mode()
+    return contextlib.nullcontext()
+
+
+def ragged_paged_attention(
+    q,  # [T, H, D]  new-token queries of all sequences, concatenated
+    k_pages,  # [K, P, S, D] or [L, K, P, S, D]
+    v_pages,  # same as k_pages
+    page_table,  # i32[B, W]
+    kv_lens,  # i32[B]  cached tokens per sequence, including the new ones
+    cu_q_lens,  # i32[B + 1]  offsets of each sequence's queries in q
+    num_seqs,  # i32[]  sequences in use; rows past it are padding
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer=None,
+    backend: str = "auto",
+    interpret: bool = False,
+    max_q_len: int | None = None,  # reference only: bound on one sequence's new tokens
+    **tuning,
+):
+    """Ragged causal attention over paged K/V -> [T, H, D] (see reference.py for semantics)."""
+    backend = resolve_backend(backend)
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if backend == "reference":
+        k, v = _layer_slice(k_pages, v_pages, layer)
+        return ragged_paged_attention_reference(q, k, v, page_table, kv_lens, cu_q_lens,
+                                                num_seqs, max_q_len=max_q_len, **common)
+    with _mode(backend, interpret):
+        if backend == "gpu":
+            return ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, kv_lens,
+                                              cu_q_lens, num_seqs, layer=layer,
+                                              interpret=interpret, **common, **tuning)
+        return ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens,
+                                          num_seqs, layer=layer, **common, **tuning)
+
+
+def paged_decode_attention(
+    q,  # [B, H, D]  one new token per sequence
+    k_pages,  # [K, P, S, D] or [L, K, P, S, D]
+    v_pages,  # same as k_pages
+    page_table,  # i32[B, W]
+    lengths,  # i32[B]  cached tokens including the new one; 0 marks a padding row
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer=None,
+    backend: str = "auto",
+    interpret: bool = False,
+    **tuning,
+):
+    """Decode attention (one query per sequence) over paged K/V -> [B, H, D]."""
+    backend = resolve_backend(backend)
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if backend == "reference":
+        k, v = _layer_slice(k_pages, v_pages, layer)
+        return paged_decode_attention_reference(q, k, v, page_table, lengths, **common)
+    with _mode(backend, interpret):
+        if backend == "gpu":
+            return paged_decode_attention_gpu(q, k_pages, v_pages, page_table, lengths,
+                                              layer=layer, interpret=interpret, **common,
+                                              **tuning)
+        return paged_decode_attention_tpu(q, k_pages, v_pages, page_table, lengths, layer=layer,
+                                          **common, **tuning)

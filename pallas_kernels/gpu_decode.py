@@ -1,0 +1,178 @@
+"""Flash-decoding over a paged KV cache on GPU (Pallas, Triton lowering): one new query token
+per sequence attends to every cached key of its sequence.
+
+Axes: B sequences, H query heads, K kv heads, G = H // K, R rows of a query block (G padded),
+D head_dim, L layers, P pages per (layer, kv head), S page_size, W pages per page-table row,
+NS splits of a row, F = L * K * P pool rows (see ``gpu_paged_common``).
+
+Design:
+- Grid (B, K, NS). A program takes *all* G query heads of its kv head as one [R, D] block, so
+  each K/V tile is read from memory once per kv head, not once per query head.
+- G padding: the G rows are padded to a power of two Gp (a Triton tensor rule). With Gp >= 8
+  (G >= 5) they go through ``tl.dot`` and are padded up to its 16-row minimum (G = 8 -> 16).
+  With G <= 4 the scores and P @ V are broadcast multiply-reduces on the CUDA cores with no
+  16-row padding (MHA: 1 row, not 16). Decode is memory-bound: by a rough H100/H200 estimate
+  (~18 B/clk of HBM vs 128 FMA/clk per SM) <= 4 rows of FMAs per loaded key stay under the
+  bandwidth roof and 8 would not; the threshold is a constant to confirm by benchmark.
+- Splits: split s owns pages ``[s * pps, (s+1) * pps)`` of the row (pps a multiple of the tile),
+  so short batches still fill the GPU; each split writes an unnormalized f32 (out, max, sum-exp)
+  triple and a jnp log-sum-exp merge combines them. The default aims at ~256 programs.
+- Page skipping: a program loops only over pages below ``cdiv(length, S)`` and, with a sliding
+  window, from the page holding key ``length - window`` on; splits beyond the length do no loads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu_paged_common import (
+    MMA_MIN,
+    attend_pages,
+    check_common,
+    check_knob,
+    check_lengths,
+    flatten_pool,
+    next_pow2,
+    pad_groups,
+    tile_pages,
+    whole,
+)
+
+_TARGET_PROGRAMS = 256  # ~2 programs per SM on an H100/H200 (132 SMs); to be tuned on hardware
+_MMA_MIN_GROUP = 8  # padded G at which tl.dot (padded to 16 rows) beats the broadcast path
+
+
+def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                   width: int, pages_per_split: int, num_pages: int, page_size: int,
+                   pages_per_block: int, sm_scale: float, soft_cap, sliding_window, mma: bool):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lengths_ref[b]
+    lo = split * pages_per_split
+    hi = jnp.minimum(lo + pages_per_split, (length + page_size - 1) // page_size)
+    hi = jnp.minimum(hi, width)  # a length past the table is malformed: never read past the row
+    if sliding_window is not None:
+        lo = jnp.maximum(lo, jnp.maximum(length - sliding_window, 0) // page_size)
+    q_rd = q_ref[...]
+    q_pos = jnp.full((q_rd.shape[0],), length - 1, jnp.int32)  # a padding row (0) masks all
+
+    def page_rows(p0):
+        return table_ref[pl.ds(p0, pages_per_block)] + h * num_pages
+
+    acc, m, l = attend_pages(
+        q_rd, q_pos, None, length, lo, hi, page_rows, k_ref, v_ref, page_size=page_size,
+        pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, mma=mma)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _decode_call(q_bkrd, k_fsd, v_fsd, table_bw, lengths_b, *, width: int, num_splits: int,
+                 pages_per_split: int, num_pages: int, pages_per_block: int, sm_scale: float,
+                 soft_cap, sliding_window, mma: bool, interpret: bool):
+    """The pallas_call: per-split partials (o f32[B, K, NS, R, D], m and l f32[B, K, NS, R]).
+
+    The batch is a grid axis rather than a vmap of a per-sequence call: that is the grid vmap
+    would build anyway, and it keeps the per-sequence length a plain scalar read.
+    """
+    b, k, r, d = q_bkrd.shape
+    _, s, _ = k_fsd.shape
+    kernel = functools.partial(
+        _decode_kernel, width=width, pages_per_split=pages_per_split, num_pages=num_pages,
+        page_size=s, pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, mma=mma)
+    part = (b, k, num_splits, r)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, k, num_splits),
+        in_specs=[
+            whole(lengths_b.shape),
+            pl.BlockSpec((None, table_bw.shape[1]), lambda i, j, t: (i, 0)),
+            pl.BlockSpec((None, None, r, d), lambda i, j, t: (i, j, 0, 0)),
+            whole(k_fsd.shape),  # gathered page by page inside the kernel
+            whole(v_fsd.shape),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, r, d), lambda i, j, t: (i, j, t, 0, 0)),
+            pl.BlockSpec((None, None, None, r), lambda i, j, t: (i, j, t, 0)),
+            pl.BlockSpec((None, None, None, r), lambda i, j, t: (i, j, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*part, d), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="paged_decode_attention_gpu",
+    )(lengths_b, table_bw, q_bkrd, k_fsd, v_fsd)
+
+
+def _merge_splits(o, m, l):
+    """Log-sum-exp merge over the split axis: [B, K, NS, R, D] partials -> f32[B, K, R, D]."""
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)  # an empty split has m = MASKED, so w = 0 next to any real split
+    l_tot = jnp.sum(w * l, axis=2)
+    o_tot = jnp.sum(w[..., None] * o, axis=2)
+    return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]  # a row with no key -> 0
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits", "pages_per_block",
+                     "interpret"))
+def paged_decode_attention_gpu(
+    q,  # [B, H, D]  one new token per sequence, already written into the cache
+    k_pages,  # [K, P, S, D], or [L, K, P, S, D] with `layer`
+    v_pages,  # same as k_pages
+    page_table,  # i32[B, W]  logical page -> physical page of each sequence
+    lengths,  # i32[B]  cached tokens including the new one; 0 = padding row -> zeros
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer=None,  # int or traced i32[] selecting the layer of 5-D pages inside the kernel
+    num_splits: int | None = None,
+    pages_per_block: int | None = None,
+    interpret: bool = False,
+):
+    """Decode attention over paged K/V with flash-decoding splits -> [B, H, D] in q.dtype.
+
+    Semantics match ``paged_decode_attention_reference``; ``interpret=True`` runs it on CPU.
+    """
+    _, n_kv, n_pages, page_size, d = check_common(
+        q, k_pages, v_pages, page_table, layer, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window)
+    b, h, _ = q.shape
+    if page_table.shape[0] != b:
+        raise ValueError(f"page_table rows ({page_table.shape[0]}) must equal q batch ({b})")
+    check_lengths("lengths", lengths, b)
+    check_knob("num_splits", num_splits)
+    check_knob("pages_per_block", pages_per_block, pow2=True)
+
+    g = h // n_kv
+    mma = next_pow2(g) >= _MMA_MIN_GROUP
+    rows = max(next_pow2(g), MMA_MIN) if mma else next_pow2(g)
+    width = page_table.shape[1]
+    ppb = pages_per_block or tile_pages(page_size, d, rows, mma, width)
+    if mma and ppb * page_size < MMA_MIN:
+        raise ValueError(f"pages_per_block * page_size must be >= {MMA_MIN} (tl.dot), "
+                         f"got {ppb} * {page_size}")
+    blocks = -(-width // ppb)
+    splits = num_splits or max(1, min(blocks, -(-_TARGET_PROGRAMS // (b * n_kv))))
+    pps = -(-blocks // min(splits, blocks)) * ppb  # whole tiles per split; no empty splits
+    splits = -(-width // pps)
+
+    k_fsd, v_fsd, table = flatten_pool(k_pages, v_pages, page_table, layer, pad_cols=ppb)
+    o, m, l = _decode_call(
+        pad_groups(q, n_kv, g, rows), k_fsd, v_fsd, table, lengths, width=width,
+        num_splits=splits, pages_per_split=pps, num_pages=n_pages, pages_per_block=ppb,
+        sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, mma=mma,
+        interpret=interpret)
+    out_bkrd = _merge_splits(o, m, l)
+    return out_bkrd[:, :, :g].reshape(b, h, d).astype(q.dtype)

@@ -1,0 +1,198 @@
+"""Shared pieces of the GPU (Pallas/Triton) paged-attention kernels: validation, page-pool
+flattening and the online-softmax loop over a range of pages.
+
+Axes: B sequences, T query tokens (flat), H query heads, K kv heads, G = H // K query heads per
+kv head, R rows of one query block (G padded, times query tokens), D head_dim, L layers,
+P pages per (layer, kv head), S page_size, W pages per page-table row, N = ppb * S keys per tile
+(ppb = pages per block), F = L * K * P page rows of the flattened pool.
+
+Why a flattened pool: ``[L, K, P, S, D]`` (or ``[K, P, S, D]``) is reshaped to ``[F, S, D]``, a
+bitcast that copies nothing, and the layer is folded into the page table as ``layer * K * P``.
+The kernel then needs one gather index per page (``table + kv_head * P``), the same code serves
+the 4-D and 5-D forms, and a traced ``layer`` inside a ``lax.scan`` never slices the pool.
+Triton switches to 64-bit pointer offsets by itself once the pool exceeds 4 GiB.
+
+Why Triton shapes show up here: every tensor a Triton kernel touches must have a power-of-two
+size, and ``tl.dot`` needs M, N, K >= 16. The static checks below enforce those rules even in
+interpret mode, so CPU CI rejects tile configurations a GPU would fail to compile.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+MASKED = -1e30  # finite: a fully masked row keeps m finite and yields zeros, never NaN
+MMA_MIN = 16  # Triton's tl.dot minimum for M, N and K
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def check_knob(name: str, value, *, pow2: bool = False) -> None:
+    """A tuning knob must be None or a positive int (a power of two where it shapes a tile)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if pow2 and not is_pow2(value):
+        raise ValueError(f"{name} must be a power of two (Triton tile), got {value}")
+
+
+def check_common(q, k_pages, v_pages, page_table, layer, *, sm_scale, soft_cap,
+                 sliding_window) -> tuple[int, int, int, int, int]:
+    """Static checks shared by both kernels; returns (L, K, P, S, D) with L = 1 for 4-D pages."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be 3-D, got shape {q.shape}")
+    if k_pages.ndim not in (4, 5):
+        raise ValueError(f"k_pages must be [K, P, S, D] or [L, K, P, S, D], got {k_pages.shape}")
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
+                         f"{k_pages.shape} {k_pages.dtype}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q dtype must be one of float32/bfloat16/float16, got {q.dtype}")
+    if k_pages.dtype != q.dtype:
+        raise ValueError(f"k_pages dtype {k_pages.dtype} must equal q dtype {q.dtype}")
+    if k_pages.ndim == 5 and layer is None:
+        raise ValueError("layer is required with 5-D [L, K, P, S, D] pages")
+    if k_pages.ndim == 4 and layer is not None:
+        raise ValueError("layer is only meaningful with 5-D [L, K, P, S, D] pages")
+    if layer is not None and not isinstance(layer, int):
+        if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"layer must be an int or an integer scalar, got {layer!r}")
+    n_layers = k_pages.shape[0] if k_pages.ndim == 5 else 1
+    k, p, s, d = k_pages.shape[-4:]
+    if isinstance(layer, int) and not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} out of range for {n_layers} layers")
+    h = q.shape[1]
+    if h % k:
+        raise ValueError(f"q heads ({h}) must be a multiple of k_pages kv heads ({k})")
+    if q.shape[2] != d:
+        raise ValueError(f"q head_dim ({q.shape[2]}) must equal k_pages head_dim ({d})")
+    if not is_pow2(d) or d < MMA_MIN:
+        raise ValueError(f"k_pages head_dim must be a power of two >= {MMA_MIN}, got {d}")
+    if not is_pow2(s):
+        raise ValueError(f"k_pages page_size must be a power of two, got {s}")
+    if page_table.ndim != 2 or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be i32[B, W], got {page_table.dtype}{page_table.shape}")
+    if not isinstance(sm_scale, (int, float)):
+        raise ValueError(f"sm_scale must be a Python float, got {sm_scale!r}")
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
+        raise ValueError(f"soft_cap must be a positive float, got {soft_cap!r}")
+    check_knob("sliding_window", sliding_window)
+    return n_layers, k, p, s, d
+
+
+def check_lengths(name: str, x, n: int) -> None:
+    if x.shape != (n,) or x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be i32[{n}], got {x.dtype}{x.shape}")
+
+
+def flatten_pool(k_pages, v_pages, page_table, layer, *, pad_cols: int):
+    """Pages as ``[F, S, D]`` rows and the page table as absolute rows of the (layer, head 0).
+
+    Table entries are clamped to ``[0, P)`` so that stale or garbage ids in unused slots can never
+    address memory outside the pool; their keys are masked by length anyway. ``pad_cols`` zero
+    columns let a tile starting at any valid page read ``ppb`` ids without running off the row.
+    """
+    *_, k, p, s, d = k_pages.shape
+    table = jnp.clip(page_table, 0, p - 1)
+    if layer is not None:
+        n_layers = k_pages.shape[0]
+        table = table + jnp.clip(jnp.asarray(layer, jnp.int32), 0, n_layers - 1) * (k * p)
+    table = jnp.pad(table, ((0, 0), (0, pad_cols)))
+    return k_pages.reshape(-1, s, d), v_pages.reshape(-1, s, d), table
+
+
+def whole(shape):
+    """A BlockSpec that hands every program the whole array (a pointer on GPU, no copy)."""
+    zeros = (0,) * len(shape)
+    return pl.BlockSpec(tuple(shape), lambda *_: zeros)
+
+
+def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k_ref, v_ref, *,
+                 page_size: int, pages_per_block: int, sm_scale: float, soft_cap,
+                 sliding_window, mma: bool):
+    """Online softmax of ``q_rd`` over pages ``[lo_page, hi_page)`` -> (acc f32[R, D], m, l).
+
+    ``page_rows(p0)`` returns the pool rows (``[ppb]`` ints) of logical pages ``p0..p0+ppb``;
+    ``row_ok_r`` (None: all rows) masks query rows that belong to no query of this program.
+    The result is unnormalized: out = acc / l where l > 0, else 0 (the row saw no key).
+    """
+    rows, d = q_rd.shape
+    n = pages_per_block * page_size
+    f32 = jnp.float32
+    # f32 dots default to TF32 in the Triton lowering; HIGHEST keeps fp32 caches exact.
+    prec = lax.Precision.HIGHEST if q_rd.dtype == f32 else lax.Precision.DEFAULT
+    # hi_page also stops a tile that overhangs its split from counting the next split's keys.
+    key_hi = jnp.minimum(kv_len, hi_page * page_size)
+    lowest_key = None
+    if sliding_window is not None:
+        lowest_key = q_pos_r - (sliding_window - 1)
+
+    def body(i, carry):
+        acc, m, l = carry
+        p0 = lo_page + i * pages_per_block
+        ids = page_rows(p0)
+        k_nd = k_ref[ids].reshape(n, d)
+        v_nd = v_ref[ids].reshape(n, d)
+        k_pos = p0 * page_size + lax.iota(jnp.int32, n)
+        key_ok = k_pos < key_hi
+        mask = key_ok[None, :] & (k_pos[None, :] <= q_pos_r[:, None])
+        if row_ok_r is not None:
+            mask &= row_ok_r[:, None]
+        if lowest_key is not None:
+            mask &= k_pos[None, :] >= lowest_key[:, None]
+        # Keys past the length may come from freed pages (possibly NaN-poisoned): zero them so
+        # that 0 * NaN never reaches the accumulator.
+        v_nd = jnp.where(key_ok[:, None], v_nd, jnp.zeros_like(v_nd))
+        if mma:
+            s = lax.dot_general(q_rd, k_nd, (((1,), (1,)), ((), ())), precision=prec,
+                                preferred_element_type=f32)
+        else:  # a few rows: a broadcast multiply-reduce avoids padding G up to the MMA tile
+            s = jnp.sum(q_rd.astype(f32)[:, None, :] * k_nd.astype(f32)[None, :, :], axis=-1)
+        s = s * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask, s, MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        # The where matters while a row has seen only masked keys: then m_new == MASKED too.
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        if mma:
+            pv = lax.dot_general(p.astype(v_nd.dtype), v_nd, (((1,), (0,)), ((), ())),
+                                 precision=prec, preferred_element_type=f32)
+        else:
+            pv = jnp.sum(p[:, :, None] * v_nd.astype(f32)[None, :, :], axis=1)
+        return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=-1)
+
+    n_iter = (jnp.maximum(hi_page - lo_page, 0) + pages_per_block - 1) // pages_per_block
+    init = (jnp.zeros((rows, d), f32), jnp.full((rows,), MASKED, f32), jnp.zeros((rows,), f32))
+    return lax.fori_loop(0, n_iter, body, init)
+
+
+def tile_pages(page_size: int, head_dim: int, rows: int, mma: bool, width: int) -> int:
+    """Default pages per tile: ~64 keys for D=128 on the MMA path (two [N, D] tiles per stage fit
+    shared memory with double buffering), and a register budget of rows*N*D <= 16K on the
+    broadcast path. Never fewer keys than the MMA minimum, never more pages than a row has."""
+    if mma:
+        keys = max(MMA_MIN, min(128, 8192 // head_dim))
+    else:
+        keys = max(1, min(128, 16384 // (rows * head_dim)))
+    ppb = min(max(1, keys // page_size), next_pow2(width))
+    if mma:
+        ppb = max(ppb, -(-MMA_MIN // page_size))
+    return ppb
+
+
+def pad_groups(x, k: int, g: int, rows: int):
+    """``[N, K*G, D]`` -> ``[N, K, rows, D]`` with zero query heads appended to each group."""
+    y = x.reshape(x.shape[0], k, g, x.shape[-1])
+    return y if rows == g else jnp.pad(y, ((0, 0), (0, 0), (0, rows - g), (0, 0)))

@@ -1,0 +1,53 @@
+"""Default block sizes for the TPU ragged paged attention kernel.
+
+Axes: T query tokens, G query heads per kv head, S page_size, W pages per page-table row,
+Tq tokens per q block, R = Tq * G rows of a q block, N pages per kv block.
+
+Mosaic wants the last two dims of every VMEM block to be multiples of the (sublane, lane) tile
+(8 x 128 for 32-bit data, 16 x 128 for 16-bit) unless they equal the whole array dim. The q/out
+block is [R, D]: R is chosen as a multiple of the sublane tile, or as the whole (padded) token
+axis when everything fits in one block. These are starting points, not tuned numbers: measure on
+the target chip and override through the kernel's keyword-only knobs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+TARGET_ROWS = 128  # R: fills the MXU's 128-row systolic input on every TPU generation
+TARGET_KEYS = 512  # N * S: keys per kv block; 4 double-buffered [512, 128] bf16 tiles = 512 KiB
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of one (sublane, 128) VMEM tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit data."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
+
+
+def default_pages_per_block(page_size: int, pages_per_row: int) -> int:
+    """N: enough pages for ~TARGET_KEYS keys, never more than a page-table row holds."""
+    return max(1, min(pages_per_row, TARGET_KEYS // page_size))
+
+
+def _min_tokens_per_block(group: int, dtype) -> int:
+    """Smallest Tq with R = Tq * G a multiple of the sublane tile."""
+    tile = sublane_tile(dtype)
+    return tile // math.gcd(group, tile)
+
+
+def default_num_q_per_block(num_tokens: int, group: int, dtype) -> int:
+    """Tq for mixed prefill/decode batches: about TARGET_ROWS rows per q block."""
+    if num_tokens * group <= TARGET_ROWS:
+        return num_tokens  # a single block spans the whole token axis: always a legal tiling
+    step = _min_tokens_per_block(group, dtype)
+    return max(step, TARGET_ROWS // group // step * step)
+
+
+def default_decode_num_q_per_block(batch: int, group: int, dtype) -> int:
+    """Tq for decode (one token per sequence): the fewest sequences a legal q block can hold.
+
+    Every sequence in a q block is computed against all R rows, so decode wants R small; decode
+    is bandwidth-bound, and the wasted MXU rows cost nothing next to the page reads.
+    """
+    return min(batch, _min_tokens_per_block(group, dtype))

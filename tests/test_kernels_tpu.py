@@ -1,0 +1,333 @@
+"""TPU ragged paged attention, run on CPU by the Pallas TPU interpreter, against the reference.
+
+Every kernel call runs under ``pltpu.force_tpu_interpret_mode`` with the interpreter's race
+detector on. ``RACES`` executes DMAs eagerly at ``start`` with wide vector clocks: in that mode a
+missing wait or a prefetch into the buffer being read is reported as a race (checked by
+mutating the kernel by hand while writing these tests). ``TWO_CORES`` executes DMAs lazily at
+``wait`` (a read before its wait then sees NaN, the interpreter's fill for uninitialised VMEM)
+and splits the parallel grid over two simulated megacore cores in a shuffled order.
+
+Axes: T tokens, B page-table rows, H q heads, K kv heads, G = H // K, D head_dim, P pages,
+S page_size, W pages per row, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# The race detector's verdict lives only in this module-level object (it is what the
+# InterpretParams.detect_races docstring points to); jax exposes no public accessor for it.
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter_state
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import reference
+from pallas_kernels.tpu_ragged_paged_attention import (
+    paged_decode_attention_tpu,
+    ragged_paged_attention_tpu,
+)
+
+RACES = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager", vector_clock_size=64)
+TWO_CORES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=7)
+# Jitted: op-by-op the reference spends seconds compiling dozens of tiny XLA programs per shape.
+_STATIC = ("sm_scale", "soft_cap", "sliding_window")
+ragged_paged_attention_reference = jax.jit(reference.ragged_paged_attention_reference,
+                                           static_argnames=_STATIC)
+paged_decode_attention_reference = jax.jit(reference.paged_decode_attention_reference,
+                                           static_argnames=_STATIC)
+TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def run_interpreted(fn, *args, params=RACES, **kwargs):
+    """Runs fn with TPU kernels interpreted on CPU; fails if the last kernel run had a race."""
+    with pltpu.force_tpu_interpret_mode(params):
+        out = jax.block_until_ready(fn(*args, **kwargs))
+    assert interpreter_state.races is not None, "no TPU kernel was interpreted"
+    assert not interpreter_state.races.races_found, "the TPU interpreter detected a data race"
+    return out
+
+
+@dataclasses.dataclass
+class Batch:
+    q: jax.Array  # [T, H, D]
+    k_pages: jax.Array  # [K, P, S, D] or [L, K, P, S, D]
+    v_pages: jax.Array
+    page_table: jax.Array  # i32[B, W]
+    kv_lens: jax.Array  # i32[B]
+    cu_q_lens: jax.Array  # i32[B + 1]
+    num_seqs: jax.Array  # i32[]
+    num_real: int  # tokens before the padding tail
+
+    @property
+    def args(self):
+        return (self.q, self.k_pages, self.v_pages, self.page_table, self.kv_lens,
+                self.cu_q_lens, self.num_seqs)
+
+
+def make_batch(seed, seqs, *, page_size, kv_heads, group, head_dim, dtype=jnp.float32,
+               num_rows=None, num_tokens=None, pages_per_row=None, layers=None) -> Batch:
+    """seqs: (q_len, kv_len) per sequence; rows past them are padding, tokens past them too.
+
+    Physical pages are a random permutation (a few owned by nobody); padding rows get a nonzero
+    kv_len so that ignoring them is actually tested.
+    """
+    rng = np.random.default_rng(seed)
+    q_lens = np.array([s[0] for s in seqs], np.int32)
+    kv = np.array([s[1] for s in seqs], np.int32)
+    b = num_rows or len(seqs) + 1
+    w = pages_per_row or max(1, -(-int(kv.max(initial=1)) // page_size))
+    num_pages = b * w + 3
+    t = num_tokens or int(q_lens.sum()) + 3
+    pad = b - len(seqs)
+    kv_lens = np.concatenate([kv, np.full(pad, page_size + 1, np.int32)])
+    cu = np.concatenate([[0], np.cumsum(q_lens), np.full(pad, q_lens.sum())]).astype(np.int32)
+    pages_shape = (kv_heads, num_pages, page_size, head_dim)
+    if layers is not None:
+        pages_shape = (layers,) + pages_shape
+    return Batch(
+        q=jnp.asarray(rng.standard_normal((t, kv_heads * group, head_dim)), dtype),
+        k_pages=jnp.asarray(rng.standard_normal(pages_shape), dtype),
+        v_pages=jnp.asarray(rng.standard_normal(pages_shape), dtype),
+        page_table=jnp.asarray(rng.permutation(num_pages)[: b * w].reshape(b, w), jnp.int32),
+        kv_lens=jnp.asarray(kv_lens), cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.int32(len(seqs)), num_real=int(q_lens.sum()))
+
+
+def mixed_seqs(s):
+    """Decode of 1 token, of exactly one page, of a page + 1 and a long one; a prefill chunk
+    with no cached prefix and one continuing a cached prefix across page boundaries."""
+    return [(1, 1), (1, s), (1, s + 1), (6, 6), (5, 2 * s + 5), (1, 3 * s + 5)]
+
+
+def assert_matches(out, want, batch: Batch, dtype):
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, **TOL[dtype])
+    np.testing.assert_array_equal(out[batch.num_real:], 0.0)  # padding tokens: zeros
+
+
+@pytest.mark.parametrize("page_size,head_dim,kv_heads,group,knobs", [
+    (8, 64, 2, 4, dict(num_q_per_block=4, pages_per_block=2)),
+    (16, 128, 2, 1, dict(num_q_per_block=8, pages_per_block=2)),
+    (32, 64, 1, 8, dict(num_q_per_block=2, pages_per_block=1)),
+    (64, 128, 1, 4, {}),  # default block sizes: one q block, one kv block per sequence
+])
+def test_mixed_batch_matches_reference(page_size, head_dim, kv_heads, group, knobs):
+    batch = make_batch(page_size, mixed_seqs(page_size), page_size=page_size, kv_heads=kv_heads,
+                       group=group, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    out = run_interpreted(ragged_paged_attention_tpu, *batch.args, sm_scale=scale, **knobs)
+    want = ragged_paged_attention_reference(*batch.args, sm_scale=scale)
+    assert_matches(out, want, batch, jnp.float32)
+
+
+def test_bf16_matches_reference_on_two_cores():
+    batch = make_batch(1, mixed_seqs(16), page_size=16, kv_heads=2, group=4, head_dim=64,
+                       dtype=jnp.bfloat16)
+    out = run_interpreted(ragged_paged_attention_tpu, *batch.args, sm_scale=0.125,
+                          num_q_per_block=4, pages_per_block=2, params=TWO_CORES)
+    assert out.dtype == jnp.bfloat16
+    want = ragged_paged_attention_reference(*batch.args, sm_scale=0.125)
+    assert_matches(out, want, batch, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("page_size,soft_cap,sliding_window", [
+    (8, None, 5),  # window shorter than a page: whole pages before it are never fetched
+    (16, 2.0, 19),
+])
+def test_soft_cap_and_sliding_window(page_size, soft_cap, sliding_window):
+    """Page-table entries of pages wholly before every window of their sequence point out of
+    range: the interpreter raises on an out-of-bounds DMA, so they are provably never fetched."""
+    batch = make_batch(2, mixed_seqs(page_size), page_size=page_size, kv_heads=1, group=4,
+                       head_dim=64)
+    pt = np.asarray(batch.page_table).copy()
+    q_lens = np.diff(np.asarray(batch.cu_q_lens))
+    first_key = np.asarray(batch.kv_lens) - q_lens - sliding_window + 1  # of the first query
+    skipped = (np.arange(pt.shape[1]) + 1) * page_size <= first_key[:, None]
+    assert skipped[: int(batch.num_seqs)].any()
+    pt[skipped] = 10_000
+    args = (*batch.args[:3], jnp.asarray(pt), *batch.args[4:])
+    kw = dict(sm_scale=0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+    out = run_interpreted(ragged_paged_attention_tpu, *args, num_q_per_block=4,
+                          pages_per_block=2, **kw)
+    assert_matches(out, ragged_paged_attention_reference(*batch.args, **kw), batch, jnp.float32)
+
+
+def test_garbage_outside_owned_keys_never_leaks():
+    """NaN in pages nobody owns, past kv_len and in padding rows' pages; page-table entries
+    past a sequence's pages point far out of range (the interpreter raises on such a read)."""
+    s = 8
+    batch = make_batch(3, mixed_seqs(s), page_size=s, kv_heads=1, group=2, head_dim=64)
+    pt = np.asarray(batch.page_table).copy()
+    kv = np.asarray(batch.kv_lens)
+    owned = np.zeros(batch.k_pages.shape[1], bool)
+    poisoned = [np.asarray(batch.k_pages).copy(), np.asarray(batch.v_pages).copy()]
+    for row in range(pt.shape[0]):
+        n_keys = int(kv[row]) if row < int(batch.num_seqs) else 0
+        for col in range(pt.shape[1]):
+            if col * s >= n_keys:
+                pt[row, col] = 10_000 + row
+                continue
+            owned[pt[row, col]] = True
+            for pages in poisoned:
+                pages[:, pt[row, col], max(0, n_keys - col * s):] = np.nan
+    for pages in poisoned:
+        pages[:, ~owned] = np.nan
+    args = (batch.q, jnp.asarray(poisoned[0]), jnp.asarray(poisoned[1]), jnp.asarray(pt),
+            *batch.args[4:])
+    out = run_interpreted(ragged_paged_attention_tpu, *args, sm_scale=0.125,
+                          num_q_per_block=4, pages_per_block=2)
+    # The reference multiplies masked probabilities (0) by V, so it needs NaN-free pages.
+    want = ragged_paged_attention_reference(*batch.args, sm_scale=0.125)
+    assert_matches(out, want, batch, jnp.float32)
+
+
+def test_layer_axis_matches_4d_slice_inside_scan(capfd):
+    batch = make_batch(4, mixed_seqs(8), page_size=8, kv_heads=2, group=2, head_dim=64,
+                       layers=2)
+    q, k5, v5, *rest = batch.args
+    knobs = dict(sm_scale=0.125, num_q_per_block=4, pages_per_block=2)
+
+    def all_layers(k5, v5):  # the way jaxkv calls it: a traced layer, the pool never sliced
+        def step(carry, layer):
+            return carry, ragged_paged_attention_tpu(q, k5, v5, *rest, layer=layer, **knobs)
+
+        return jax.lax.scan(step, 0, jnp.arange(2, dtype=jnp.int32))[1]
+
+    scanned = run_interpreted(jax.jit(all_layers), k5, v5)
+    for layer in range(2):
+        sliced = run_interpreted(ragged_paged_attention_tpu, q, k5[layer], v5[layer], *rest,
+                                 **knobs)
+        np.testing.assert_array_equal(np.asarray(scanned[layer]), np.asarray(sliced))
+    # run_interpreted sees only the last kernel run's verdict; every run prints its races.
+    assert "RACE DETECTED" not in capfd.readouterr().out
+
+
+def test_decode_wrapper_matches_reference_decode():
+    """Also the other form of `layer`: a Python int selecting from 5-D pages."""
+    s, b = 8, 6
+    batch = make_batch(5, [(1, n) for n in (1, s, s + 1, 3 * s + 2, 5)], page_size=s,
+                       kv_heads=2, group=4, head_dim=64, num_rows=b, layers=2)
+    lengths = batch.kv_lens.at[b - 1].set(0)  # a padding row: length 0 -> zeros
+    q, k5, v5 = batch.q[:b], batch.k_pages, batch.v_pages
+    out = run_interpreted(paged_decode_attention_tpu, q, k5, v5, batch.page_table, lengths,
+                          sm_scale=0.125, soft_cap=3.0, layer=1)
+    want = paged_decode_attention_reference(q, k5[1], v5[1], batch.page_table, lengths,
+                                            sm_scale=0.125, soft_cap=3.0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[b - 1]), 0.0)
+
+
+@st.composite
+def ragged_batches(draw, *, rows=4, tokens=12, max_keys=32):
+    n = draw(st.integers(1, rows))
+    seqs, budget = [], tokens
+    for _ in range(n):
+        q_len = draw(st.integers(0, min(5, budget)))
+        budget -= q_len
+        seqs.append((q_len, draw(st.integers(q_len, max_keys))))
+    return draw(st.integers(0, 2**16)), seqs
+
+
+@settings(max_examples=3, deadline=None)
+@given(ragged_batches())
+def test_random_ragged_batches(seed_and_seqs):
+    seed, seqs = seed_and_seqs  # fixed array shapes: one compilation for every example
+    batch = make_batch(seed, seqs, page_size=8, kv_heads=1, group=2, head_dim=64, num_rows=4,
+                       num_tokens=12, pages_per_row=4)
+    out = run_interpreted(ragged_paged_attention_tpu, *batch.args, sm_scale=0.125,
+                          num_q_per_block=4, pages_per_block=2)
+    want = ragged_paged_attention_reference(*batch.args, sm_scale=0.125)
+    assert_matches(out, want, batch, jnp.float32)
+
+
+def _valid_args():
+    f32 = jnp.zeros
+    return dict(q=f32((4, 4, 16)), k_pages=f32((2, 4, 8, 16)), v_pages=f32((2, 4, 8, 16)),
+                page_table=jnp.zeros((2, 2), jnp.int32), kv_lens=jnp.zeros(2, jnp.int32),
+                cu_q_lens=jnp.zeros(3, jnp.int32), num_seqs=jnp.int32(1))
+
+
+@pytest.mark.parametrize("name,change", [
+    ("q", dict(q=jnp.zeros((4, 64)))),
+    ("q", dict(q=jnp.zeros((4, 3, 16)))),  # 3 heads over 2 kv heads
+    ("k_pages", dict(k_pages=jnp.zeros((4, 8, 16)))),
+    ("k_pages", dict(k_pages=jnp.zeros((2, 4, 8, 32)), v_pages=jnp.zeros((2, 4, 8, 32)))),
+    ("k_pages", dict(k_pages=jnp.zeros((2, 4, 12, 16)), v_pages=jnp.zeros((2, 4, 12, 16)))),
+    ("k_pages", dict(q=jnp.zeros((4, 4, 16), jnp.bfloat16),
+                     k_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16),
+                     v_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16))),  # 8 < bf16 tile 16
+    ("k_pages", dict(k_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16),
+                     v_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16))),  # dtype != q's
+    ("v_pages", dict(v_pages=jnp.zeros((2, 5, 8, 16)))),
+    ("layer", dict(k_pages=jnp.zeros((1, 2, 4, 8, 16)), v_pages=jnp.zeros((1, 2, 4, 8, 16)))),
+    ("layer", dict(layer=0)),
+    ("page_table", dict(page_table=jnp.zeros((2, 2)))),
+    ("kv_lens", dict(kv_lens=jnp.zeros(3, jnp.int32))),
+    ("cu_q_lens", dict(cu_q_lens=jnp.zeros(2, jnp.int32))),
+    ("num_seqs", dict(num_seqs=jnp.float32(1))),
+    ("soft_cap", dict(soft_cap=-1.0)),
+    ("sliding_window", dict(sliding_window=0)),
+    ("num_q_per_block", dict(num_q_per_block=1.5)),
+    ("pages_per_block", dict(pages_per_block=0)),
+])
+def test_static_validation_names_the_argument(name, change):
+    kw = {**_valid_args(), "sm_scale": 1.0, **change}
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        ragged_paged_attention_tpu(**kw)
+
+
+@pytest.mark.parametrize("name,change", [
+    ("q", dict(q=jnp.zeros((3, 4, 16)))),
+    ("lengths", dict(lengths=jnp.zeros(2, jnp.float32))),
+    ("k_pages", dict(k_pages=jnp.zeros((4, 8, 16)))),
+    ("sliding_window", dict(sliding_window=-3)),
+])
+def test_decode_validation_names_the_argument(name, change):
+    args = _valid_args()
+    kw = dict(q=args["q"][:2], k_pages=args["k_pages"], v_pages=args["v_pages"],
+              page_table=args["page_table"], lengths=args["kv_lens"], sm_scale=1.0)
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        paged_decode_attention_tpu(**{**kw, **change})
+
+
+def test_race_detector_is_live():
+    """A kernel that reads a DMA's destination before waiting must be reported, or the
+    race assertions above would prove nothing."""
+    def racy(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf, sem)
+        copy.start()
+        o_ref[...] = buf[...]
+        copy.wait()
+
+    with pltpu.force_tpu_interpret_mode(RACES):  # read when the pallas_call is built
+        call = pl.pallas_call(
+            racy, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())])
+        jax.block_until_ready(call(jnp.ones((8, 128), jnp.float32)))
+    assert interpreter_state.races.races_found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,page_size", [
+    (jnp.float32, 8), (jnp.float32, 16), (jnp.float32, 32), (jnp.float32, 64),
+    (jnp.bfloat16, 16), (jnp.bfloat16, 32), (jnp.bfloat16, 64),  # bf16 tile: 16 rows
+])
+@pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 4, 1), (128, 2, 4), (128, 1, 8)])
+def test_sweep(page_size, head_dim, kv_heads, group, dtype):
+    seqs = mixed_seqs(page_size) + [(9, 9), (3, 4 * page_size), (2, 2)]
+    batch = make_batch(page_size + head_dim, seqs, page_size=page_size, kv_heads=kv_heads,
+                       group=group, head_dim=head_dim, dtype=dtype)
+    for soft_cap, window in [(None, None), (5.0, page_size + 3)]:
+        kw = dict(sm_scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+        out = run_interpreted(ragged_paged_attention_tpu, *batch.args, num_q_per_block=8,
+                              pages_per_block=2, **kw)
+        assert_matches(out, ragged_paged_attention_reference(*batch.args, **kw), batch, dtype)
