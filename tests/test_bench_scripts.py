@@ -1,0 +1,35 @@
+"""The benchmark scripts run end to end in their CPU modes (numbers are not checked here)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_kernels_refuses_cpu_timings(capsys):
+    assert _load("bench_kernels").main([]) == 0
+    assert "interpret mode" in capsys.readouterr().out
+
+
+def test_bench_kernels_smoke_agrees_across_implementations(capsys, tmp_path):
+    assert _load("bench_kernels").main(["--smoke", "--out", str(tmp_path / "p.png")]) == 0
+    lines = [ln.split() for ln in capsys.readouterr().out.splitlines()]
+    errs = {ln[2]: float(ln[-1]) for ln in lines if len(ln) == 7 and ln[0] == "2"}
+    assert set(errs) == {"jaxkv", "xla-reference", "jax-shipped"}
+    assert max(errs.values()) < 2e-2  # bf16, all three compute the same attention
+
+
+def test_bench_cache_small_run(capsys):
+    assert _load("bench_cache").main(["--tokens", "4", "8", "--prompt-len", "8",
+                                      "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "reproduce: python scripts/bench_cache.py" in out
