@@ -23,8 +23,8 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--prompt", action="append", default=None,
                    help="a prompt (repeatable; default: a few Python openings)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=16)
@@ -72,8 +72,9 @@ def run_generate(args) -> int:
         print(f"  {label:<44} {tokens:>8,} tokens {tokens * per_tok / 2**20:>9.2f} MiB")
     print(f"  paged reserves {paged / filled:.2f}x what is used; contiguous "
           f"{contiguous / filled:.2f}x")
-    print(f"\nreproduce: jaxkv generate --max-tokens {args.max_tokens} "
-          f"--page-size {args.page_size}")
+    print(f"\nreproduce: jaxkv generate --max-tokens {args.max_tokens} --page-size "
+          f"{args.page_size} --temperature {args.temperature} --top-p {args.top_p} "
+          f"--seed {args.seed}")
     return 0
 
 

@@ -5,7 +5,7 @@ Plain Python (no jax): the host owns the page bookkeeping; the device only holds
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 
@@ -46,25 +46,64 @@ class PageAllocator:
         return pages
 
     def share(self, pages: Iterable[int]) -> None:
-        """Adds a holder to each (already used) page."""
+        """Adds a holder to each (already used) page; all or nothing."""
+        pages = list(pages)
         for p in pages:
             if self._refs[p] <= 0:
                 raise ValueError(f"share: page {p} is free")
+        for p in pages:
             self._refs[p] += 1
 
     def free(self, pages: Iterable[int]) -> None:
-        """Drops one holder from each page; pages with no holder left return to the free list."""
-        for p in pages:
-            if self._refs[p] <= 0:
+        """Drops one holder from each page; pages with no holder left return to the free list.
+
+        All or nothing: a double free raises before any refcount changes.
+        """
+        drops = Counter(pages)
+        for p, n in drops.items():
+            if self._refs[p] < n:
                 raise ValueError(f"free: page {p} is already free (double free)")
-            self._refs[p] -= 1
+        for p, n in drops.items():
+            self._refs[p] -= n
             if self._refs[p] == 0:
                 self._free.append(p)
 
-    def check(self) -> None:
-        """Asserts the invariants: free pages have refcount 0, used ones > 0, no duplicates."""
+    def copy_on_write(self, page: int) -> tuple[int, bool]:
+        """A page the caller may write: `page` itself if the caller is its only holder, else a
+        fresh page that replaces the caller's reference to the shared one.
+
+        Returns (page, copied). When copied is True the caller must copy the old page's contents
+        into the new one on device before writing. Raises OutOfPagesError (changing nothing) if
+        no page is free.
+        """
+        if self._refs[page] <= 0:
+            raise ValueError(f"copy_on_write: page {page} is free")
+        if self._refs[page] == 1:
+            return page, False
+        (fresh,) = self.allocate(1)
+        self._refs[page] -= 1  # > 1 before, so the shared page stays used
+        return fresh, True
+
+    def check(self, holders: Iterable[Iterable[int]] | None = None) -> None:
+        """Asserts the invariants: free pages have refcount 0, used ones > 0, no duplicates.
+
+        With `holders` (one page list per holder: each running sequence, each reference the
+        prefix cache holds), also asserts that every page's refcount equals the number of
+        lists that contain it, so a leaked or missing reference is caught where it happens.
+        """
         free = set(self._free)
         assert len(free) == len(self._free), "a page appears twice in the free list"
         for p, r in enumerate(self._refs):
             assert r >= 0, f"page {p} has negative refcount {r}"
             assert (r == 0) == (p in free), f"page {p}: refcount {r}, in free list: {p in free}"
+        if holders is None:
+            return
+        counts: Counter[int] = Counter()
+        for i, held in enumerate(holders):
+            held = list(held)
+            assert len(set(held)) == len(held), f"holder {i} lists a page twice: {held}"
+            counts.update(held)
+        for p, r in enumerate(self._refs):
+            assert r == counts[p], f"page {p}: refcount {r}, but {counts[p]} holders"
+        extra = sorted(p for p in counts if not 0 <= p < self.num_pages)
+        assert not extra, f"holders list pages out of range: {extra}"
