@@ -7,7 +7,10 @@ Quick use::
     jaxkv.generate(model, ["def fib(n):"], jaxkv.SamplingParams(temperature=0, max_tokens=32))
 """
 
+from jaxkv.engine.engine import Engine
 from jaxkv.engine.generate import generate, generate_no_cache, generate_with_stats
+from jaxkv.engine.llm import LLM
+from jaxkv.engine.request import CompletionOutput, EngineStats, RequestOutput
 from jaxkv.kv import PagedKVState, init_state
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.pretrained import Model, load_default, load_pretrained, random_model
@@ -15,9 +18,14 @@ from jaxkv.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineStats",
     "Model",
     "ModelConfig",
     "PagedKVState",
+    "RequestOutput",
     "SamplingParams",
     "generate",
     "generate_no_cache",

@@ -1,0 +1,312 @@
+"""RadixCache: token-exact prefix caching over paged KV (in the spirit of SGLang's RadixAttention).
+
+Plain Python (no jax). A radix tree per namespace (`salt`) maps token prefixes to the pages that
+hold their KV. Token position i of every sequence lives at offset i % S of the sequence's page
+i // S, so pages line up by absolute position and a prefix's pages are reusable as they are.
+
+Node layout: a node's edge label covers absolute positions [start, end) and the node holds one
+reference on the page of each page index start // S .. (end - 1) // S. When a boundary falls
+inside a page, the parent and the child each hold a page for that index; the child's page has
+valid KV for the whole page up to its own end (it was copied from the parent's filled part, then
+extended), so a match takes each page index from the deepest matched node covering it. Unlike
+full-block caching (vLLM), a match may end anywhere, even mid-edge and mid-page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for annotations: this file runs on the standard library alone
+    from jaxkv.cache.allocator import PageAllocator
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of a query."""
+
+    num_tokens: int  # tokens matched, token-exact (may end inside a page)
+    pages: tuple[int, ...]  # page ids for page indices 0 .. ceil(num_tokens / S) - 1; the last
+    #                         is only partly valid when num_tokens % S != 0
+    handle: object = dataclasses.field(compare=False, repr=False)  # opaque: lock()/unlock()
+
+
+class _Node:
+    """One edge of the tree: tokens at positions [start, end) and their pages."""
+
+    __slots__ = ("key", "start", "pages", "children", "parent", "lock", "holds", "last_access",
+                 "id", "alive")
+
+    def __init__(self, key: list[int], start: int, pages: list[int], parent: _Node | None,
+                 node_id: int):
+        self.key = key  # edge label: the tokens at positions start .. end - 1
+        self.start = start
+        self.pages = pages  # page ids for page indices start // S .. (end - 1) // S
+        self.children: dict[int, _Node] = {}  # keyed by the child's first token
+        self.parent = parent
+        self.lock = 0  # locks held on this node's handle or below it: not evictable if > 0
+        self.holds = 0  # locks held on this very node's handle
+        self.last_access = 0
+        self.id = node_id  # breaks LRU ties deterministically
+        self.alive = True  # False once evicted: a stale handle is an error
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+
+class RadixCache:
+    """Prefix cache: match_prefix / insert / lock / unlock / LRU evict, with its own page refs.
+
+    The cache holds one allocator reference per (node, page) it stores; a page returns to the
+    free list only when the cache and every running request have dropped theirs.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"RadixCache: page_size must be a positive int, got {page_size!r}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self._roots: dict[str | None, _Node] = {}
+        self._ids = itertools.count()
+        self._clock = 0
+        self._cached_tokens = 0
+        self._held_pages = 0
+        self._stats = dict(query_tokens=0, hit_tokens=0, inserted_tokens=0, evicted_tokens=0,
+                           evicted_pages=0)
+
+    def match_prefix(self, tokens: Sequence[int], salt: str | None = None) -> PrefixMatch:
+        """The longest cached prefix of `tokens` in namespace `salt`.
+
+        Changes no refcount (the caller shares the pages it keeps, and locks the handle before
+        anything can evict); refreshes the LRU recency of the matched path.
+        """
+        node, matched, pages = self._walk(tokens, self._root(salt))
+        self._touch(node)
+        self._stats["query_tokens"] += len(tokens)
+        self._stats["hit_tokens"] += matched
+        return PrefixMatch(matched, tuple(pages), node)
+
+    def _walk(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, int, list[int]]:
+        """(deepest matched node, tokens matched, page per page index)."""
+        s, pos, pages = self.page_size, 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            m = _common_len(child.key, tokens, pos)
+            first, last = child.start // s, (child.start + m - 1) // s
+            del pages[first:]  # the deeper node's page supersedes a straddled one
+            pages.extend(child.pages[: last - first + 1])
+            node, pos = child, pos + m
+            if m < len(child.key):
+                break
+        return node, pos, pages
+
+    def lock(self, handle: object) -> None:
+        """Protects the handle's path from eviction until the matching unlock (nestable)."""
+        node = self._live(handle)
+        node.holds += 1
+        for n in _path(node):
+            n.lock += 1
+
+    def unlock(self, handle: object) -> None:
+        """Undoes one lock() of the same handle."""
+        node = self._live(handle)
+        if node.holds <= 0:
+            raise ValueError("unlock: handle is not locked")
+        node.holds -= 1
+        for n in _path(node):
+            n.lock -= 1
+
+    def _live(self, handle: object) -> _Node:
+        if not isinstance(handle, _Node):
+            raise TypeError(f"not a RadixCache handle: {handle!r}")
+        if not handle.alive:
+            raise ValueError("stale handle: its node was evicted (lock right after matching)")
+        return handle
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None = None) -> int:
+        """Caches the KV of `tokens` (positions 0 .. len - 1), stored in `pages`.
+
+        The cache shares (takes its own reference on) every page it newly stores, so the caller
+        still frees its own. Already-cached positions keep the cache's pages. Returns the number
+        of tokens newly cached.
+        """
+        s, n = self.page_size, len(tokens)
+        if len(pages) < -(-n // s):
+            raise ValueError(f"insert: {n} tokens need {-(-n // s)} pages, got {len(pages)}")
+        node, pos, added = self._root(salt), 0, 0
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                added = n - pos
+                node = self._add_leaf(node, [int(t) for t in tokens[pos:]],
+                                      [int(p) for p in pages[pos // s:(n - 1) // s + 1]])
+                break
+            m = _common_len(child.key, tokens, pos)
+            if m < len(child.key):
+                if pos + m == n:  # a prefix of an existing edge: nothing new to cache
+                    node = child
+                    break
+                child = self._split(child, m)
+            node, pos = child, pos + m
+        self._touch(node)
+        self._stats["inserted_tokens"] += added
+        return added
+
+    def _add_leaf(self, parent: _Node, key: list[int], pages: list[int]) -> _Node:
+        self.allocator.share(pages)  # all or nothing: a bad page id changes no state
+        leaf = _Node(key, parent.end, pages, parent, next(self._ids))
+        parent.children[key[0]] = leaf
+        self._cached_tokens += len(key)
+        self._held_pages += len(pages)
+        return leaf
+
+    def _split(self, node: _Node, m: int) -> _Node:
+        """Cuts `node` after its first m tokens; returns the new upper half.
+
+        The node object stays the lower half (keeping its children, handles and holds); the
+        upper half inherits its lock count, since every lock through the node passes through
+        it. A page index straddling the cut is held by both halves, hence the extra share.
+        """
+        s, mid = self.page_size, node.start + m
+        first = node.start // s
+        upper = _Node(node.key[:m], node.start, node.pages[: (mid - 1) // s - first + 1],
+                      node.parent, next(self._ids))
+        upper.lock, upper.last_access = node.lock, node.last_access
+        if mid % s:
+            self.allocator.share([node.pages[mid // s - first]])
+            self._held_pages += 1
+        node.pages = node.pages[mid // s - first:]
+        node.key, node.start, node.parent = node.key[m:], mid, upper
+        upper.children[node.key[0]] = node
+        upper.parent.children[upper.key[0]] = upper
+        return upper
+
+    def evict(self, num_pages: int) -> int:
+        """Drops least-recently-used unlocked leaves (or just their tails) until at least
+        `num_pages` pages have returned to the free list, or nothing is evictable.
+
+        A dropped page returns to the free list only if no running request still holds it.
+        Returns the number of pages that became free.
+        """
+        free_before = self.allocator.num_free
+        heap = [(n.last_access, n.id, n) for n in self._nodes()
+                if n.parent is not None and not n.children and n.lock == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            self._evict_leaf(leaf, num_pages - freed)
+            freed = self.allocator.num_free - free_before
+            if (not leaf.alive and parent.parent is not None and not parent.children
+                    and parent.lock == 0):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        self._stats["evicted_pages"] += freed
+        return freed
+
+    def _evict_leaf(self, leaf: _Node, need: int) -> None:
+        """Drops the leaf's pages from the tail until `need` pages are free; if that is not
+        enough, drops the whole leaf. A tail cut keeps the leaf ending on a page boundary."""
+        s, free_before = self.page_size, self.allocator.num_free
+        first = leaf.start // s
+        while len(leaf.pages) > 1 and self.allocator.num_free - free_before < need:
+            self.allocator.free([leaf.pages.pop()])
+            self._held_pages -= 1
+            cut = (first + len(leaf.pages)) * s - leaf.start  # > 0: the first page is kept
+            self._stats["evicted_tokens"] += len(leaf.key) - cut
+            self._cached_tokens -= len(leaf.key) - cut
+            del leaf.key[cut:]
+        if self.allocator.num_free - free_before >= need:
+            return
+        self.allocator.free(leaf.pages)
+        self._held_pages -= len(leaf.pages)
+        self._cached_tokens -= len(leaf.key)
+        self._stats["evicted_tokens"] += len(leaf.key)
+        del leaf.parent.children[leaf.key[0]]
+        leaf.alive = False
+
+    def held_pages(self) -> list[int]:
+        """Every page the cache holds a reference on, one entry per reference."""
+        return [p for n in self._nodes() for p in n.pages]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens stored in the tree (a shared prefix counts once)."""
+        return self._cached_tokens
+
+    @property
+    def num_held_pages(self) -> int:
+        """References the cache holds (a page held by two nodes counts twice)."""
+        return self._held_pages
+
+    def stats(self) -> dict:
+        """Counters for metrics: query/hit tokens since creation, and the current size."""
+        q = self._stats["query_tokens"]
+        return dict(self._stats, hit_rate=self._stats["hit_tokens"] / q if q else 0.0,
+                    cached_tokens=self._cached_tokens, held_pages=self._held_pages,
+                    nodes=sum(1 for n in self._nodes() if n.parent is not None))
+
+    def check(self) -> None:
+        """Asserts the tree invariants (see the module docstring)."""
+        s, tokens, held = self.page_size, 0, []
+        for salt, root in self._roots.items():
+            assert root.parent is None and not root.key and not root.pages, f"root {salt!r}"
+        for n in self._nodes():
+            assert n.alive, "an evicted node is still in the tree"
+            below = sum(c.lock for c in n.children.values())
+            assert n.holds >= 0 and n.lock == n.holds + below, f"node {n.id}: lock count {n.lock}"
+            for first, child in n.children.items():
+                assert child.parent is n, f"node {child.id}: wrong parent"
+                assert child.key and child.key[0] == first, f"node {child.id}: keyed by {first}"
+                assert child.start == n.end, f"node {child.id}: starts at {child.start} != {n.end}"
+                assert n.last_access >= child.last_access, f"node {n.id}: older than its child"
+            if n.parent is None:
+                continue
+            covers = (n.end - 1) // s - n.start // s + 1
+            assert len(n.pages) == covers, f"node {n.id}: {len(n.pages)} pages for {covers}"
+            tokens, held = tokens + len(n.key), held + n.pages
+        assert tokens == self._cached_tokens, f"cached tokens {self._cached_tokens} != {tokens}"
+        assert len(held) == self._held_pages, f"held pages {self._held_pages} != {len(held)}"
+        for p, refs in Counter(held).items():
+            assert self.allocator.refcount(p) >= refs, (
+                f"cache holds {refs} refs on page {p}, allocator counts only "
+                f"{self.allocator.refcount(p)}")
+
+    def _root(self, salt: str | None) -> _Node:
+        if salt not in self._roots:
+            self._roots[salt] = _Node([], 0, [], None, next(self._ids))
+        return self._roots[salt]
+
+    def _touch(self, node: _Node) -> None:
+        self._clock += 1
+        for n in _path(node):
+            n.last_access = self._clock
+
+    def _nodes(self) -> Iterator[_Node]:
+        stack = list(self._roots.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+
+def _path(node: _Node) -> Iterator[_Node]:
+    """The node and its ancestors, up to and including the root."""
+    while node is not None:
+        yield node
+        node = node.parent
+
+
+def _common_len(key: list[int], tokens: Sequence[int], pos: int) -> int:
+    """Length of the common prefix of `key` and tokens[pos:]."""
+    m, limit = 0, min(len(key), len(tokens) - pos)
+    while m < limit and key[m] == tokens[pos + m]:
+        m += 1
+    return m

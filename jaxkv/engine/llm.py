@@ -1,0 +1,132 @@
+"""`LLM`: offline batched generation and chat over the `Engine`, in the style of vLLM's LLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.request import EngineStats, RequestOutput
+from jaxkv.model.pretrained import Model, load_default, load_pretrained
+from jaxkv.sampling_params import SamplingParams
+
+DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 2**20
+
+
+def kv_bytes_per_token(model: Model) -> int:
+    """K and V of one token in every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize
+
+
+class LLM:
+    """A model plus an Engine; ``generate`` and ``chat`` run prompts to completion.
+
+    ``model``: None (the embedded tiny model), a checkpoint folder, or a `jaxkv.Model` (then
+    ``dtype`` is unused). ``num_pages`` defaults to what ``kv_cache_memory_bytes`` holds.
+    """
+
+    def __init__(self, model: Model | str | Path | None = None, *, page_size: int = 16,
+                 num_pages: int | None = None,
+                 kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+                 max_num_seqs: int = 32, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 attention_impl: str = "auto", seed: int = 0, dtype: str = "float32"):
+        if model is None:
+            model = load_default(dtype=dtype)
+        elif isinstance(model, (str, Path)):
+            model = load_pretrained(model, dtype=dtype)
+        elif not isinstance(model, Model):
+            raise ValueError(f"model must be None, a checkpoint path or a jaxkv.Model, got "
+                             f"{type(model).__name__}")
+        if num_pages is None:
+            page_bytes = kv_bytes_per_token(model) * page_size
+            num_pages = kv_cache_memory_bytes // page_bytes
+            if num_pages < 1:
+                raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no page "
+                                 f"of {page_bytes} bytes")
+        self.model = model
+        self.engine = Engine(model, page_size=page_size, num_pages=num_pages,
+                             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=enable_prefix_caching,
+                             attention_impl=attention_impl, seed=seed)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the prompts' order.
+
+        ``prompts`` (text) or ``prompt_token_ids``: one prompt or a list. ``sampling_params``:
+        one for all prompts or one per prompt.
+        """
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts and prompt_token_ids")
+        if prompts is not None:
+            items = [prompts] if isinstance(prompts, str) else list(prompts)
+            field = "prompt"
+        else:
+            ids = list(prompt_token_ids)
+            single = bool(ids) and not isinstance(ids[0], (Sequence, np.ndarray))
+            items, field = ([ids] if single else ids), "prompt_token_ids"
+        if not items:
+            raise ValueError(f"{field}s is empty")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(items)} "
+                                 "prompts")
+        order = {}
+        try:
+            for item, sp in zip(items, params, strict=True):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, sampling_params=sp, **{field: item})
+                order[rid] = len(order)
+        except ValueError as e:
+            for rid in order:  # all or nothing
+                self.engine.abort(rid)
+            name = "prompts" if field == "prompt" else field
+            raise ValueError(f"{name}[{len(order)}]: {e}") from None
+        return self._run(order, use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        return results
+
+    def chat(self, conversations, sampling_params=None, use_tqdm: bool = True
+             ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of {"role", "content"} dicts) or a list of
+        them, rendered with the tokenizer's chat template (with the generation prompt)."""
+        tok = self.model.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("chat needs a model whose tokenizer has a chat template")
+        convs = list(conversations)
+        if convs and isinstance(convs[0], dict):
+            convs = [convs]
+        if not convs:
+            raise ValueError("conversations is empty")
+        for i, conv in enumerate(convs):
+            if not conv or any(not isinstance(m, dict) or "role" not in m or "content" not in m
+                               for m in conv):
+                raise ValueError(f"conversations[{i}] must be a non-empty list of "
+                                 "{'role': ..., 'content': ...} dicts")
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in convs]
+        return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()

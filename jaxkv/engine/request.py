@@ -1,0 +1,169 @@
+"""Request state of the serving engine and its public output types (plain Python, no jax).
+
+A user request with ``SamplingParams.n`` samples is n `Request` objects (one per sample stream)
+sharing a ``request_id``: sample 0 prefills the prompt; the other n - 1 fork off it when its
+prefill completes and share the prompt's pages until they write into them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Collection
+
+from jaxkv.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued: new, preempted, or a sample waiting for its fork
+    RUNNING = "running"  # holds a slot and pages
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sample stream: its tokens, its pages and how many of its tokens have KV computed."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_index: int  # submission order: FCFS order and tie-breaks
+    arrival_time: float
+    sample_index: int = 0
+    cache_salt: str | None = None
+    key: object = None  # u32[2] raw PRNG key of this sample (set by the engine)
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+    pages: list[int] = dataclasses.field(default_factory=list)  # page i holds positions i*S..
+    num_computed_tokens: int = 0  # leading tokens whose KV is in `pages`
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    slot: int | None = None  # state slot while running
+    prefix_handle: object = None  # locked radix path while running
+    prefill_end: int = 0  # len(token_ids) at admission: positions below it are prefill work
+    forks: list[Request] = dataclasses.field(default_factory=list)  # samples 1..n-1, unborn
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is still to be computed (1 for a decoding sequence)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def append_token(self, token: int, eos_token_ids: Collection[int]) -> str | None:
+        """Appends a sampled token; returns the finish reason if it ends the sequence.
+
+        Stop tokens (EOS unless ignore_eos, and stop_token_ids) are kept in the output and
+        count only once min_tokens have been generated, as in `jaxkv.generate`.
+        """
+        self.token_ids.append(token)
+        sp, n = self.sampling_params, self.num_output_tokens
+        stop = token in sp.stop_token_ids or (token in eos_token_ids and not sp.ignore_eos)
+        if stop and n >= sp.min_tokens:
+            return "stop"
+        if n >= sp.max_tokens:
+            return "length"
+        return None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request: its generated tokens so far (cumulative) and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of one request; ttft/tpot in seconds, None until known."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    ttft: float | None  # first token - arrival
+    tpot: float | None  # (finish - first token) / (tokens - 1), longest sample
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The state of a request after a step, in the shape of vLLM's RequestOutput."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int  # prompt tokens served by the prefix cache (first admission)
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started, and the KV pages now in use.
+
+    Every admission (first or after a preemption) splits the sequence's pending tokens into
+    cached (prefix-cache hit) and computed ones, so cached + computed prompt tokens equals
+    prompt_tokens when nothing was preempted. kv_pages_used + kv_pages_cached + kv_pages_free
+    == kv_pages_total.
+    """
+
+    prompt_tokens: int  # prompt tokens of the requests added (once per request, whatever n)
+    cached_prompt_tokens: int  # served by the prefix cache at admission
+    computed_prompt_tokens: int  # run through prefill, recomputation after preemption included
+    generated_tokens: int  # tokens sampled
+    preemptions: int
+    kv_pages_total: int
+    kv_pages_used: int  # held by unfinished requests
+    kv_pages_cached: int  # held only by the prefix cache (evictable)
+    kv_pages_free: int
+    steps: int  # device steps run
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        total = self.cached_prompt_tokens + self.computed_prompt_tokens
+        return self.cached_prompt_tokens / total if total else 0.0
+
+
+def request_metrics(samples: list[Request]) -> RequestMetrics:
+    """Metrics of a request from its sample streams."""
+    first = [s.first_token_time for s in samples if s.first_token_time is not None]
+    first_time = min(first) if first else None
+    done = all(s.is_done for s in samples)
+    finish = max((s.finish_time or 0.0) for s in samples) if done else None
+    tpot = None
+    if finish is not None and first_time is not None:
+        longest = max(s.num_output_tokens for s in samples)
+        if longest > 1:
+            tpot = (finish - first_time) / (longest - 1)
+    return RequestMetrics(
+        arrival_time=samples[0].arrival_time, first_token_time=first_time, finish_time=finish,
+        ttft=None if first_time is None else first_time - samples[0].arrival_time, tpot=tpot)

@@ -1,0 +1,317 @@
+"""Continuous-batching scheduler: which sequences run this step, on which pages.
+
+Plain Python (no jax). Each step, under a token budget (max_num_batched_tokens) and a cap on
+running sequences (max_num_seqs, one state slot each):
+
+1. running decodes, oldest first: one token each, with a new page when the token starts one,
+   and a private copy of a shared page (copy-on-write) before writing into it;
+2. running prefills, oldest first: the next chunk of each (chunked prefill);
+3. admissions: preempted sequences first, then the longest cached prefix first (arrival order
+   when more than FCFS_QUEUE_LEN wait). A sequence is admitted only if the pages of its next
+   chunk can be allocated after prefix matching; admission stops at the first that cannot.
+
+Pages come from the free list, then from evicting the prefix cache (LRU), and for running
+sequences (1-2) from preempting the newest running sequence not scheduled this step. Preemption
+is by recompute: the victim's computed KV goes to the prefix cache, its pages and slot are
+released, and it waits again with its generated tokens, which re-admission prefills again
+(hitting the cache for whatever was not evicted meanwhile). Admission never preempts, and a
+step that preempted admits nothing, so a victim is not re-admitted at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+
+from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.radix import RadixCache
+from jaxkv.engine.request import Request, RequestStatus
+
+FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's part of a step; has the fields of `jaxkv.runtime.batch.Row`."""
+
+    slot: int
+    tokens: tuple[int, ...]  # new tokens: a prompt chunk, or the last sampled token
+    start: int  # position of tokens[0] (tokens already cached)
+    pages: tuple[int, ...]  # the sequence's pages, enough for start + len(tokens)
+    request: Request
+    samples: tuple[Request, ...] = ()  # sequences sampling from this row's last logits
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """The plan of one step: rows to run, and page copies to make on device before them."""
+
+    decode_rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
+    prefill_rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        return self.decode_rows + self.prefill_rows
+
+
+@dataclasses.dataclass
+class SchedulerCounters:
+    cached_prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every page a sequence holds."""
+
+    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, *, page_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: Collection[int] = ()):
+        for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Scheduler: {name} must be an int >= 1, got {v!r}")
+        self.allocator, self.radix, self.page_size = allocator, radix, page_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._fork_slots: dict[Request, list[int]] = {}  # reserved for a parent's samples
+        self.counters = SchedulerCounters()
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plans one step; allocates (and may evict or preempt) the pages it needs."""
+        out, budget, scheduled = SchedulerOutput(), self.max_num_batched_tokens, set()
+        for decode in (True, False):
+            for req in list(self.running):
+                if budget == 0:
+                    break
+                if (req.status is not RequestStatus.RUNNING or req in scheduled
+                        or decode != (req.num_pending_tokens == 1)):
+                    continue
+                n = min(req.num_pending_tokens, budget)
+                if self._grow(req, n, scheduled, out):
+                    (out.decode_rows if decode else out.prefill_rows).append(self._row(req, n))
+                    scheduled.add(req)
+                    budget -= n
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _row(self, req: Request, n: int) -> ScheduledRow:
+        start = req.num_computed_tokens
+        samples = (req, *req.forks) if start + n == len(req.token_ids) else ()
+        return ScheduledRow(req.slot, tuple(req.token_ids[start:start + n]), start,
+                            tuple(req.pages), req, samples)
+
+    def _pages_needed(self, req: Request, n: int) -> tuple[int, int | None]:
+        """(pages to allocate, index of a shared page to copy before writing, or None)."""
+        s, start = self.page_size, req.num_computed_tokens
+        new = max(0, -(-(start + n) // s) - len(req.pages))
+        cow = start // s if start % s and self.allocator.refcount(req.pages[start // s]) > 1 \
+            else None
+        return new + (cow is not None), cow
+
+    def _grow(self, req: Request, n: int, scheduled: set, out: SchedulerOutput) -> bool:
+        """Gives a running sequence writable pages for its next n tokens; False if it was
+        preempted to find them."""
+        while True:
+            need, cow = self._pages_needed(req, n)
+            if self.allocator.num_free >= need:
+                break
+            if self._evict(need):
+                continue
+            victim = next(r for r in reversed(self.running) if r not in scheduled)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        if cow is not None:
+            page, copied = self.allocator.copy_on_write(req.pages[cow])
+            if copied:
+                out.copies.append((req.pages[cow], page))
+                req.pages[cow] = page
+            need -= 1
+        req.pages += self.allocator.allocate(need)
+        return True
+
+    def _evict(self, need: int) -> bool:
+        """Evicts from the prefix cache toward `need` free pages; True if any page was freed."""
+        short = need - self.allocator.num_free
+        return self.radix is not None and short > 0 and self.radix.evict(short) > 0
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        if budget == 0 or not self.waiting:
+            return
+        for req in self._waiting_order():
+            if budget == 0:
+                break
+            ok = self._admit(req, budget, out, reuse_partial=True)
+            if not ok and not self.running:
+                # It fits alone (checked at submission), but the partly matched page it locks
+                # may be the one missing: admit it reusing only whole pages, nothing locked.
+                ok = self._admit(req, budget, out, reuse_partial=False)
+            if not ok:
+                break
+            budget -= len(out.prefill_rows[-1].tokens)
+
+    def _waiting_order(self) -> list[Request]:
+        if self.radix is None or len(self.waiting) == 1 or len(self.waiting) > FCFS_QUEUE_LEN:
+            return list(self.waiting)
+        hit = {r: self.radix.match_prefix(r.token_ids[:-1], r.cache_salt).num_tokens
+               for r in self.waiting}
+        return sorted(self.waiting,
+                      key=lambda r: (r.num_preemptions == 0, -hit[r], r.arrival_index))
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput, *,
+               reuse_partial: bool) -> bool:
+        if len(self._free_slots) < 1 + len(req.forks):
+            return False
+        s, tokens = self.page_size, req.token_ids
+        match, cached = None, 0
+        if self.radix is not None:  # at most len - 1: the last token must run for its logits
+            match = self.radix.match_prefix(tokens[:-1], req.cache_salt)
+            cached = match.num_tokens if reuse_partial else match.num_tokens // s * s
+        full, locked = cached // s, reuse_partial and cached > 0
+        shared = list(match.pages[:full]) if match else []
+        if locked:  # keeps the matched path, the partly matched page included, from eviction
+            self.radix.lock(match.handle)
+        else:  # shared pages are safe from eviction once we hold them
+            self.allocator.share(shared)
+        chunk = min(len(tokens) - cached, budget)
+        need = -(-(cached + chunk) // s) - full
+        while self.allocator.num_free < need and self._evict(need):
+            pass
+        if self.allocator.num_free < need:
+            if locked:
+                self.radix.unlock(match.handle)
+            else:
+                self.allocator.free(shared)
+            return False
+        if locked:
+            self.allocator.share(shared)
+        fresh = self.allocator.allocate(need)
+        if cached % s:  # token-exact reuse: copy the matched part of the last page
+            out.copies.append((match.pages[full], fresh[0]))
+        req.pages, req.num_computed_tokens = shared + fresh, cached
+        req.prefix_handle = match.handle if locked else None
+        req.prefill_end, req.status = len(tokens), RequestStatus.RUNNING
+        req.slot = self._free_slots.pop()
+        if req.forks:
+            self._fork_slots[req] = [self._free_slots.pop() for _ in req.forks]
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+        self.counters.cached_prompt_tokens += cached
+        self.waiting.remove(req)
+        self.running.append(req)
+        out.prefill_rows.append(self._row(req, chunk))
+        return True
+
+    # ---- after the step ------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: Sequence[Sequence[int] | None],
+               now: float) -> list[Request]:
+        """Applies a step's results: ``sampled[i]`` holds one token per sample of row i (None
+        for a row that did not finish its prefill). Returns the sequences that got a token."""
+        progressed = []
+        for row, tokens in zip(out.rows, sampled, strict=True):
+            req = row.request
+            end = row.start + len(row.tokens)
+            req.num_computed_tokens = end
+            self.counters.computed_prompt_tokens += max(0, min(req.prefill_end, end) - row.start)
+            if row.start < req.prefill_end:
+                self._cache_full_pages(req)
+            if not row.samples:
+                continue
+            if req.forks:
+                self._fork(req)
+            for seq, token in zip(row.samples, tokens, strict=True):
+                reason = seq.append_token(int(token), self.eos_token_ids)
+                self.counters.generated_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if reason is not None:
+                    self.finish(seq, reason, now)
+                progressed.append(seq)
+        return progressed
+
+    def _cache_full_pages(self, req: Request) -> None:
+        """Offers a prompt's computed whole pages to the prefix cache, so requests arriving
+        while it runs can share them (a partial last page is still being written)."""
+        full = req.num_computed_tokens // self.page_size
+        if self.radix is not None and full:
+            self.radix.insert(req.token_ids[:full * self.page_size], req.pages[:full],
+                              req.cache_salt)
+
+    def _fork(self, parent: Request) -> None:
+        """Starts samples 1..n-1 on the parent's pages (shared until one writes into them)."""
+        for sib, slot in zip(parent.forks, self._fork_slots.pop(parent), strict=True):
+            self.allocator.share(parent.pages)
+            sib.pages, sib.slot = list(parent.pages), slot
+            sib.num_computed_tokens = parent.num_computed_tokens
+            sib.prefill_end = parent.prefill_end
+            sib.num_cached_tokens, sib.status = parent.num_cached_tokens, RequestStatus.RUNNING
+            self.running.append(sib)
+        parent.forks = []
+
+    # ---- leaving -------------------------------------------------------------------------
+
+    def finish(self, req: Request, reason: str, now: float) -> None:
+        """Ends a sequence ("stop", "length" or "abort"): frees its pages at once."""
+        if req.status is RequestStatus.RUNNING:
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.ABORTED if reason == "abort" else RequestStatus.FINISHED
+        req.finish_reason, req.finish_time = reason, now
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._release(req)
+        req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+        req.num_preemptions += 1
+        self.waiting.insert(0, req)  # victims go newest first, so they queue oldest first
+        out.preempted.append(req)
+        self.counters.preemptions += 1
+
+    def _release(self, req: Request) -> None:
+        """Gives a running sequence's computed KV to the prefix cache, then drops its pages,
+        lock and slots."""
+        self.running.remove(req)
+        n = req.num_computed_tokens
+        if self.radix is not None and n:
+            self.radix.insert(req.token_ids[:n], req.pages[:-(-n // self.page_size)],
+                              req.cache_salt)
+        self.allocator.free(req.pages)
+        req.pages = []
+        if req.prefix_handle is not None:
+            self.radix.unlock(req.prefix_handle)
+            req.prefix_handle = None
+        self._free_slots.append(req.slot)
+        self._free_slots.extend(self._fork_slots.pop(req, ()))
+        req.slot = None
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def holders(self) -> list[list[int]]:
+        """One page list per reference holder, for ``PageAllocator.check(holders=...)``."""
+        held = [list(r.pages) for r in self.running]
+        if self.radix is not None:
+            held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
+        return held
+
+    def page_usage(self) -> tuple[int, int]:
+        """(pages held by running sequences, pages held only by the prefix cache)."""
+        used = {p for r in self.running for p in r.pages}
+        cached = set(self.radix.held_pages()) - used if self.radix is not None else set()
+        return len(used), len(cached)

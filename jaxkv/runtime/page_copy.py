@@ -1,0 +1,38 @@
+"""Copying whole KV pages on device: prefix reuse of a partly matched page, copy-on-write.
+
+Axes: L layers, K kv heads, P pages, S page_size, D head_dim, N copies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jaxkv.kv import PagedKVState
+from jaxkv.runtime.batch import bucket
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_pages(state: PagedKVState, src, dst) -> PagedKVState:
+    """Copies page ``src[i]`` to page ``dst[i]`` in every layer and kv head (i32[N] each).
+
+    All sources are read before any destination is written. A destination >= P is dropped
+    (padding); destinations must be distinct. The state is donated: pages update in place.
+    """
+    def copy(pages_lkpsd):
+        moved = pages_lkpsd.at[:, :, src].get(mode="fill", fill_value=0)
+        return pages_lkpsd.at[:, :, dst].set(moved, mode="drop")
+
+    return state.replace(k_pages=copy(state.k_pages), v_pages=copy(state.v_pages))
+
+
+def copy_pages_padded(state: PagedKVState, pairs) -> PagedKVState:
+    """`copy_pages` of (src, dst) pairs, padded to a bucketed N so few programs compile."""
+    n = bucket(len(pairs))
+    src = np.zeros(n, np.int32)
+    dst = np.full(n, state.num_pages, np.int32)  # out of range: dropped
+    for i, (s, d) in enumerate(pairs):
+        src[i], dst[i] = s, d
+    return copy_pages(state, src, dst)

@@ -1,0 +1,294 @@
+"""Engine and LLM: continuous batching equals per-request generation, prefix caching reuses
+exactly what it should, forks share pages, and bad requests fail with the field named.
+
+Most tests share one engine shape (SMALL) with the tiny model, so they share compiled programs.
+"""
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import LLM, Engine, SamplingParams
+from jaxkv.engine.llm import kv_bytes_per_token
+
+SMALL = dict(page_size=16, num_pages=8, max_num_seqs=4, max_model_len=128,
+             max_num_batched_tokens=16)
+# The embedded model: a 512-token shared prefix, and the LLM facade.
+LARGE = dict(page_size=16, num_pages=64, max_num_seqs=16, max_model_len=544,
+             max_num_batched_tokens=512)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def tokens(rng, n, vocab):
+    return rng.integers(4, vocab, size=n).tolist()
+
+
+def run(engine, limit=1000):
+    """Steps to completion, checking the page invariants after every step."""
+    final = {}
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        engine.check()
+    raise AssertionError("engine did not finish")
+
+
+def complete(engine, rid, ids, sp, **kw):
+    engine.add_request(rid, prompt_token_ids=ids, sampling_params=sp, **kw)
+    return run(engine)[rid]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return jaxkv.load_default()
+
+
+def test_equals_generate_alone_under_preemption_and_chunked_prefill(tiny_model, tiny_config):
+    rng = np.random.default_rng(0)
+    lens, max_tokens = [25, 27, 29, 31, 32], [24, 30, 20, 33, 17]
+    prompts = [tokens(rng, n, tiny_config.vocab_size) for n in lens]
+    sps = [greedy(m) for m in max_tokens]
+    assert min(lens) > SMALL["max_num_batched_tokens"]  # every prompt is chunked
+    engine = Engine(tiny_model, **SMALL)
+    for i, (p, sp) in enumerate(zip(prompts, sps, strict=True)):
+        engine.add_request(str(i), prompt_token_ids=p, sampling_params=sp)
+    final = run(engine)
+    stats = engine.stats()
+    assert stats.preemptions > 0
+    assert stats.kv_pages_used == 0 and not engine.has_unfinished_requests()
+    assert stats.kv_pages_cached + stats.kv_pages_free == stats.kv_pages_total
+    assert stats.generated_tokens == sum(max_tokens)
+    for i, (p, sp) in enumerate(zip(prompts, sps, strict=True)):
+        out = final[str(i)]
+        assert out.outputs[0].token_ids == jaxkv.generate(tiny_model, [p], sp)[0], i
+        assert out.outputs[0].finish_reason == "length" and out.prompt_token_ids == p
+        m = out.metrics
+        assert m.arrival_time <= m.first_token_time <= m.finish_time
+        assert m.ttft >= 0 and m.tpot >= 0
+
+
+def test_stop_tokens_and_min_tokens(tiny_model, tiny_config):
+    prompt = tokens(np.random.default_rng(1), 20, tiny_config.vocab_size)
+    engine = Engine(tiny_model, **SMALL)
+    base = complete(engine, "base", prompt, greedy(12)).outputs[0].token_ids
+    stop = base[5]
+    first = base.index(stop)
+    out = complete(engine, "stop", prompt, greedy(12, stop_token_ids=(stop,))).outputs[0]
+    assert out.token_ids == base[:first + 1] and out.finish_reason == "stop"
+    out = complete(engine, "min", prompt,
+                   greedy(12, stop_token_ids=(stop,), min_tokens=first + 2)).outputs[0]
+    assert out.token_ids[:first + 2] == base[:first + 2]
+
+
+def test_multi_turn_chat_reuses_the_whole_previous_turn(tiny_model, tiny_config):
+    rng = np.random.default_rng(2)
+    turn1 = tokens(rng, 20, tiny_config.vocab_size)
+    engine = Engine(tiny_model, **SMALL)
+    reply = complete(engine, "t1", turn1, greedy(10)).outputs[0].token_ids
+    turn2 = turn1 + reply + tokens(rng, 7, tiny_config.vocab_size)
+    before = engine.stats().computed_prompt_tokens
+    out = complete(engine, "t2", turn2, greedy(10))
+    assert out.num_cached_tokens >= len(turn1) + len(reply) - 1
+    # Only the new message (and the last reply token, whose KV was never computed) runs.
+    assert engine.stats().computed_prompt_tokens - before == len(turn2) - out.num_cached_tokens
+    cold = Engine(tiny_model, enable_prefix_caching=False, **SMALL)
+    assert complete(cold, "t2", turn2, greedy(10)).outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_shared_prefix_is_computed_once(default_model):
+    rng = np.random.default_rng(3)
+    vocab = default_model.config.vocab_size
+    prefix = tokens(rng, 512, vocab)
+    prompts = [prefix + tokens(rng, 8, vocab) for _ in range(16)]
+    engine = Engine(default_model, **LARGE)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), prompt_token_ids=p, sampling_params=greedy(2))
+    final = run(engine)
+    stats = engine.stats()
+    assert stats.computed_prompt_tokens == 512 + 16 * 8  # the prefix once, each suffix once
+    assert stats.cached_prompt_tokens == 15 * 512
+    assert sorted(o.num_cached_tokens for o in final.values()) == [0] + [512] * 15
+    cold = Engine(default_model, enable_prefix_caching=False, **LARGE)
+    assert complete(cold, "7", prompts[7], greedy(2)).outputs == final["7"].outputs
+
+
+@pytest.mark.parametrize("page_size,num_pages", [(1, 128), (16, 8), (64, 2)])
+def test_mid_page_prefix_match_equals_no_cache(tiny_model, tiny_config, page_size, num_pages):
+    rng = np.random.default_rng(4)
+    first = tokens(rng, 40, tiny_config.vocab_size)
+    second = first[:37] + tokens(rng, 5, tiny_config.vocab_size)  # match ends inside a page
+    results = {}
+    for caching in (True, False):
+        engine = Engine(tiny_model, enable_prefix_caching=caching,
+                        **dict(SMALL, page_size=page_size, num_pages=num_pages))
+        complete(engine, "a", first, greedy(8))
+        results[caching] = complete(engine, "b", second, greedy(8))
+    assert results[True].num_cached_tokens == 37 and results[False].num_cached_tokens == 0
+    assert results[True].outputs[0].token_ids == results[False].outputs[0].token_ids
+
+
+def test_n_samples_share_prompt_pages_and_are_reproducible(tiny_model, tiny_config):
+    rng = np.random.default_rng(5)
+    prompt = tokens(rng, 40, tiny_config.vocab_size)  # 3 pages, the last partly filled
+    sp = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    engine = Engine(tiny_model, **SMALL)
+    engine.add_request("x", prompt_token_ids=prompt, sampling_params=sp)
+    while not (outs := engine.step()):
+        engine.check()
+    engine.check()
+    assert [len(c.token_ids) for c in outs[0].outputs] == [1] * 4
+    assert engine.stats().kv_pages_used == 3  # not 4 x 3: the samples share the prompt
+    final = run(engine)["x"]
+    samples = [c.token_ids for c in final.outputs]
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    assert len({tuple(s) for s in samples}) > 1
+    assert all(len(s) == 8 for s in samples)
+    # The same seed gives the same samples in another batch (other requests beside it).
+    other = Engine(tiny_model, **SMALL)
+    for i in range(2):
+        other.add_request(f"o{i}", prompt_token_ids=tokens(rng, 9 + 11 * i,
+                                                           tiny_config.vocab_size),
+                          sampling_params=SamplingParams(max_tokens=6, seed=i))
+    other.add_request("x", prompt_token_ids=prompt, sampling_params=sp)
+    assert [c.token_ids for c in run(other)["x"].outputs] == samples
+
+
+def test_interpret_mode_kernels_give_the_reference_tokens(tiny_model, tiny_config):
+    """The engine's shapes (full-width page table, padding rows, ragged decode+prefill rows)
+    through the GPU-style Pallas kernels, interpreted on CPU."""
+    rng = np.random.default_rng(8)
+    prompts = [tokens(rng, n, tiny_config.vocab_size) for n in (25, 18)]
+    results = []
+    for impl in ("reference", "interpret"):
+        engine = Engine(tiny_model, attention_impl=impl, **SMALL)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), prompt_token_ids=p, sampling_params=greedy(6))
+        engine.add_request("n", prompt_token_ids=prompts[0][:20],
+                           sampling_params=SamplingParams(n=2, seed=1, max_tokens=6))
+        results.append({k: v.outputs for k, v in run(engine).items()})
+    assert results[0] == results[1]
+
+
+def test_cache_salt_namespaces_the_prefix_cache(tiny_model, tiny_config):
+    prompt = tokens(np.random.default_rng(6), 30, tiny_config.vocab_size)
+    engine = Engine(tiny_model, **SMALL)
+    a = complete(engine, "a", prompt, greedy(4), cache_salt="alice")
+    b = complete(engine, "b", prompt, greedy(4), cache_salt="bob")
+    c = complete(engine, "c", prompt, greedy(4), cache_salt="alice")
+    d = complete(engine, "d", prompt, greedy(4))
+    assert (a.num_cached_tokens, b.num_cached_tokens, d.num_cached_tokens) == (0, 0, 0)
+    assert c.num_cached_tokens == len(prompt) - 1
+    assert a.outputs == b.outputs == c.outputs == d.outputs
+
+
+def test_abort_frees_pages_at_once(tiny_model, tiny_config):
+    rng = np.random.default_rng(7)
+    engine = Engine(tiny_model, enable_prefix_caching=False, **SMALL)
+    engine.add_request("a", prompt_token_ids=tokens(rng, 30, tiny_config.vocab_size),
+                       sampling_params=greedy(20))
+    engine.add_request("b", prompt_token_ids=tokens(rng, 10, tiny_config.vocab_size),
+                       sampling_params=greedy(20))
+    for _ in range(4):
+        engine.step()
+    used = engine.stats().kv_pages_used
+    engine.abort("a")
+    engine.check()
+    assert engine.stats().kv_pages_used == used - 2
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    with pytest.raises(KeyError, match="'nope'"):
+        engine.abort("nope")
+    assert run(engine)["b"].outputs[0].finish_reason == "length"
+    assert engine.stats().kv_pages_used == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompt_token_ids=[]), "prompt_token_ids is empty"),
+    (dict(prompt_token_ids=[5, 97]), r"prompt_token_ids\[1\]=97"),
+    (dict(prompt_token_ids=[5, -1]), r"prompt_token_ids\[1\]=-1"),
+    (dict(prompt_token_ids=[5, 2.0]), r"prompt_token_ids\[1\]=2.0"),
+    (dict(prompt_token_ids="abc"), "prompt_token_ids must be a sequence"),
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="hi"), "no tokenizer"),
+    (dict(), "exactly one of prompt"),
+    (dict(prompt="x", prompt_token_ids=[1]), "exactly one of prompt"),
+    (dict(prompt_token_ids=[1], sampling_params={"n": 2}), "sampling_params must be"),
+    (dict(prompt_token_ids=[1], cache_salt=3), "cache_salt"),
+    (dict(prompt_token_ids=[1], sampling_params=SamplingParams(n=5)), r"n=5 exceeds max_num_seqs"),
+    (dict(prompt_token_ids=[1] * 100, sampling_params=SamplingParams(max_tokens=29)),
+     r"129 tokens exceeds max_model_len=128"),
+])
+def test_bad_requests_name_the_field(tiny_model, kwargs, match):
+    engine = Engine(tiny_model, **SMALL)
+    engine.add_request("ok", prompt_token_ids=[1, 2])
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("new", **kwargs)
+    with pytest.raises(ValueError, match="already used"):
+        engine.add_request("ok", prompt_token_ids=[1, 2])
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("", prompt_token_ids=[1, 2])
+
+
+def test_request_larger_than_the_cache_is_rejected(tiny_model):
+    engine = Engine(tiny_model, **dict(SMALL, num_pages=4))
+    with pytest.raises(ValueError, match=r"needs 5 KV pages .* only 4 pages"):
+        engine.add_request("big", prompt_token_ids=[1] * 60,
+                           sampling_params=SamplingParams(max_tokens=20))
+    engine.add_request("fits", prompt_token_ids=[1] * 60,
+                       sampling_params=SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        Engine(tiny_model, **dict(SMALL, page_size=3))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(tiny_model, **dict(SMALL, max_model_len=4096))
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    memory = LARGE["num_pages"] * LARGE["page_size"] * kv_bytes_per_token(default_model)
+    kw = {k: v for k, v in LARGE.items() if k != "num_pages"}
+    return LLM(default_model, kv_cache_memory_bytes=memory, **kw)
+
+
+def test_llm_generate_keeps_order_and_per_prompt_params(llm, default_model):
+    assert llm.stats().kv_pages_total == LARGE["num_pages"]  # sized from the memory budget
+    prompts = ["Once upon a time", "The little cat", "def fib(n):"]
+    sps = [greedy(m) for m in (3, 7, 5)]
+    outs = llm.generate(prompts, sps, use_tqdm=True)
+    assert [o.prompt for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7, 5]
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.prompt_token_ids == default_model.encode(p)
+        assert o.outputs[0].text == default_model.decode(o.outputs[0].token_ids)
+    alone = llm.generate(prompts[1], sps[1], use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    by_ids = llm.generate(prompt_token_ids=outs[2].prompt_token_ids, sampling_params=sps[2],
+                          use_tqdm=False)
+    assert by_ids[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    with pytest.raises(ValueError, match="2 entries for 3 prompts"):
+        llm.generate(prompts, sps[:2])
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]: prompt_token_ids\[0\]"):
+        llm.generate(prompt_token_ids=[[5, 6], [10**6]])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_chat_uses_the_chat_template(llm, default_model):
+    conv = [{"role": "user", "content": "Hello!"}]
+    rendered = "<|user|>\nHello!<|eos|>\n<|assistant|>\n"
+    assert default_model.tokenizer.apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=True) == rendered
+    (out,) = llm.chat(conv, greedy(4), use_tqdm=False)
+    assert out.prompt == rendered and out.prompt_token_ids == default_model.encode(rendered)
+    assert len(out.outputs[0].token_ids) == 4
+    second = conv + [{"role": "assistant", "content": out.outputs[0].text},
+                     {"role": "user", "content": "And then?"}]
+    outs = llm.chat([conv, second], greedy(4), use_tqdm=False)
+    assert outs[0].outputs == out.outputs and outs[1].prompt.startswith(rendered)
+    with pytest.raises(ValueError, match=r"conversations\[0\]"):
+        llm.chat([{"role": "user"}])
