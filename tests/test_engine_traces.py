@@ -1,0 +1,97 @@
+"""Random serving traces (hypothesis): arrivals over time, aborts, shared prefixes, varied
+prompt and output lengths, and a page pool small enough to force eviction and preemption.
+
+After every step the page invariants hold (no page leaked or double-owned); every request that
+was not aborted finishes; its greedy tokens equal running that request alone; when the engine is
+idle, only the prefix cache holds pages.
+"""
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxkv
+from jaxkv import Engine, SamplingParams
+
+# One engine shape for every example, so all examples share compiled programs.
+SHAPE = dict(page_size=4, num_pages=24, max_num_seqs=4, max_model_len=64,
+             max_num_batched_tokens=16)
+
+
+_ALONE: dict = {}
+
+
+def _alone(model, prompt: tuple, max_tokens: int) -> tuple:
+    """Greedy tokens of one request run by itself (memoized across examples)."""
+    if (prompt, max_tokens) not in _ALONE:
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        _ALONE[prompt, max_tokens] = tuple(jaxkv.generate(model, [list(prompt)], sp,
+                                                          page_size=4)[0])
+    return _ALONE[prompt, max_tokens]
+
+
+@st.composite
+def traces(draw):
+    prefixes = [draw(st.lists(st.integers(4, 96), min_size=1, max_size=12)) for _ in range(2)]
+    requests = []
+    for i in range(draw(st.integers(2, 6))):
+        head = draw(st.sampled_from([[], *prefixes]))
+        tail = draw(st.lists(st.integers(4, 96), min_size=1, max_size=10))
+        requests.append(dict(
+            rid=f"r{i}", prompt=head + tail, max_tokens=draw(st.integers(1, 10)),
+            arrive=draw(st.integers(0, 6)),  # the step at which it is added
+            abort=draw(st.one_of(st.none(), st.integers(0, 12))),  # steps after arrival
+        ))
+    return requests
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces())
+def test_random_traces_keep_invariants_and_outputs(tiny_model, trace):
+    engine = Engine(tiny_model, **SHAPE)
+    finished, aborted, added = {}, set(), {}
+    for step in range(400):
+        for r in trace:
+            if r["arrive"] == step:
+                engine.add_request(r["rid"], prompt_token_ids=r["prompt"],
+                                   sampling_params=SamplingParams(
+                                       temperature=0, max_tokens=r["max_tokens"],
+                                       ignore_eos=True))
+                added[r["rid"]] = step
+            abort_at = None if r["abort"] is None else r["arrive"] + r["abort"]
+            if abort_at == step and r["rid"] in added and r["rid"] not in finished:
+                engine.abort(r["rid"])
+                aborted.add(r["rid"])
+        for out in engine.step():
+            if out.finished and out.request_id not in aborted:
+                finished[out.request_id] = out
+        engine.check()
+        if len(added) == len(trace) and not engine.has_unfinished_requests():
+            break
+    else:
+        raise AssertionError("the trace did not finish")
+
+    stats = engine.stats()
+    assert stats.kv_pages_used == 0  # only the prefix cache may still hold pages
+    assert stats.kv_pages_cached + stats.kv_pages_free == stats.kv_pages_total
+    for r in trace:
+        if r["rid"] in aborted:
+            continue
+        out = finished[r["rid"]]
+        assert out.outputs[0].finish_reason == "length"
+        want = _alone(tiny_model, tuple(r["prompt"]), r["max_tokens"])
+        assert tuple(out.outputs[0].token_ids) == want, r
+
+
+def test_trace_strategy_reaches_preemption(tiny_model):
+    # The shape above must actually force preemption for the property test to mean something.
+    engine = Engine(tiny_model, **SHAPE)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        engine.add_request(str(i), prompt_token_ids=rng.integers(4, 96, 20).tolist(),
+                           sampling_params=SamplingParams(temperature=0, max_tokens=10,
+                                                          ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check()
+    assert engine.stats().preemptions > 0
