@@ -23,7 +23,6 @@ import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
-from jaxkv.engine.generate import _base_key
 from jaxkv.engine.request import (
     CompletionOutput,
     EngineStats,
@@ -36,7 +35,7 @@ from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import build_batch
 from jaxkv.runtime.page_copy import copy_pages_padded
-from jaxkv.runtime.sampling import SamplingArrays, sample
+from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
 
@@ -170,7 +169,7 @@ class Engine:
         """Sample j's raw key: as `jaxkv.generate` with ``sp.seed``, else from the engine seed
         and the request's index, so outputs never depend on the batch a request lands in."""
         if sp.seed is not None:
-            return [_base_key(sp.seed, j) for j in range(sp.n)]
+            return [request_key(sp.seed, j) for j in range(sp.n)]
         base = jax.random.fold_in(jax.random.PRNGKey(self.seed), index)
         return [np.asarray(jax.random.fold_in(base, j), np.uint32) for j in range(sp.n)]
 

@@ -11,14 +11,13 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import Row, build_batch
-from jaxkv.runtime.sampling import SamplingArrays, sample
+from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
 
@@ -90,11 +89,6 @@ def _per_prompt(sampling, n_prompts) -> list[SamplingParams]:
     return sampling
 
 
-def _base_key(seed: int, sample_index: int) -> np.ndarray:
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), sample_index)
-    return np.asarray(jax.random.key_data(key), np.uint32)
-
-
 def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int = 16,
                         prefill_chunk: int | None = None, attention_impl: str = "auto",
                         recompute: bool = False, exact_shapes: bool = False,
@@ -117,7 +111,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     for i, (prompt, sp) in enumerate(zip(ids, params_list, strict=True)):
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
-            seqs.append(_Seq(len(seqs), prompt, sp, _base_key(seed, j), []))
+            seqs.append(_Seq(len(seqs), prompt, sp, request_key(seed, j), []))
     pages_per_seq = [-(-(len(s.prompt) + s.params.max_tokens) // page_size) for s in seqs]
     allocator = PageAllocator(sum(pages_per_seq))
     for s, n in zip(seqs, pages_per_seq, strict=True):

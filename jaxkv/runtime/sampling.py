@@ -32,6 +32,12 @@ class SamplingArrays:
                    pad(top_p, np.float32, 1.0), pad(step, np.int32, 0))
 
 
+def request_key(seed: int, sample_index: int = 0) -> np.ndarray:
+    """The raw u32[2] base key of sample `sample_index` of a request seeded with `seed`."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), sample_index)
+    return np.asarray(jax.random.key_data(key), np.uint32)
+
+
 def _sample_row(logits_v, key, temperature, top_k, top_p, step):
     key = jax.random.fold_in(key, step)
     scaled = logits_v / jnp.maximum(temperature, 1e-6)
