@@ -140,6 +140,7 @@ def plot(path: str, a: dict, b: dict) -> None:
         turns = b[mode]
         ax2.plot([t["turn"] for t in turns], [t["ttft"] * 1e3 for t in turns], "o-",
                  color=color, label=f"caching {mode}")
+    ax2.set_xticks([t["turn"] for t in b["on"]])
     ax2.set_xlabel("turn (history grows each turn)")
     ax2.set_ylabel("mean TTFT (ms)")
     ax2.set_title("(b) multi-turn chat")

@@ -98,3 +98,16 @@ def test_check_holders_catches_leaks_and_duplicates():
         a.check(holders=[[x[0], x[0]], x[1:]])
     with pytest.raises(AssertionError, match="out of range"):
         a.check(holders=[x, x[:1], [9]])
+
+
+def test_drain_freed_reports_pages_that_are_still_free():
+    a = PageAllocator(4, track_freed=True)
+    x = a.allocate(3)
+    a.free(x[:2])
+    again = a.allocate(3)  # takes the last never-used page, then the two freed ones
+    assert set(x[:2]) <= set(again)
+    a.free([x[2]])
+    assert a.drain_freed() == [x[2]]  # x[0], x[1] were freed but are in use again
+    assert a.drain_freed() == []
+    with pytest.raises(ValueError, match="track_freed"):
+        PageAllocator(2).drain_freed()

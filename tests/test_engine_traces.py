@@ -7,6 +7,7 @@ idle, only the prefix cache holds pages.
 """
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +96,34 @@ def test_trace_strategy_reaches_preemption(tiny_model):
         engine.step()
         engine.check()
     assert engine.stats().preemptions > 0
+
+
+def _run_heavy_recycling(model, **kw):
+    engine = Engine(model, **SHAPE, **kw)
+    rng = np.random.default_rng(1)
+    shared = rng.integers(4, 96, 9).tolist()
+    for i in range(6):
+        prompt = (shared if i % 2 else []) + rng.integers(4, 96, 12).tolist()
+        engine.add_request(str(i), prompt_token_ids=prompt, sampling_params=SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True))
+    outs, poisoned = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+        engine.check()
+        free = [p for p in range(engine.num_pages) if engine.allocator.refcount(p) == 0]
+        k = np.asarray(engine.state.k_pages)
+        poisoned += int(np.isnan(k[:, :, free]).any()) if free else 0
+    return outs, engine.stats(), poisoned
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_nan_filled_freed_pages_change_nothing(tiny_model, caching):
+    clean, stats, _ = _run_heavy_recycling(tiny_model, enable_prefix_caching=caching)
+    dirty, _, poisoned = _run_heavy_recycling(tiny_model, enable_prefix_caching=caching,
+                                              debug_nan_freed_pages=True)
+    assert stats.preemptions > 0  # pages were recycled under pressure
+    if not caching:  # with caching, finished requests' pages stay in the cache, not free
+        assert poisoned > 0  # the option really wrote NaN into free pages
+    assert dirty == clean

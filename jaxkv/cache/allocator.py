@@ -16,12 +16,14 @@ class OutOfPagesError(RuntimeError):
 class PageAllocator:
     """A free list plus a refcount per page. A page is free xor referenced."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, *, track_freed: bool = False):
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"PageAllocator: num_pages must be a positive int, got {num_pages!r}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
+        # Pages that became free since the last drain_freed() (for the NaN-fill debug option).
+        self._freed: list[int] | None = [] if track_freed else None
 
     @property
     def num_free(self) -> int:
@@ -67,6 +69,15 @@ class PageAllocator:
             self._refs[p] -= n
             if self._refs[p] == 0:
                 self._free.append(p)
+                if self._freed is not None:
+                    self._freed.append(p)
+
+    def drain_freed(self) -> list[int]:
+        """Pages freed since the last call that are still free (needs ``track_freed=True``)."""
+        if self._freed is None:
+            raise ValueError("drain_freed needs PageAllocator(track_freed=True)")
+        pages, self._freed = sorted({p for p in self._freed if self._refs[p] == 0}), []
+        return pages
 
     def copy_on_write(self, page: int) -> tuple[int, bool]:
         """A page the caller may write: `page` itself if the caller is its only holder, else a

@@ -34,7 +34,7 @@ from jaxkv.engine.scheduler import ScheduledRow, Scheduler
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import build_batch
-from jaxkv.runtime.page_copy import copy_pages_padded
+from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
@@ -60,12 +60,14 @@ class Engine:
     ``num_pages`` pages of ``page_size`` tokens hold every sequence's KV and the prefix cache.
     ``max_num_seqs`` bounds running sequences (each sample of an n > 1 request counts),
     ``max_num_batched_tokens`` the tokens of one step (decodes + prefill chunks).
+    ``debug_nan_freed_pages`` fills every freed page with NaN before the next step runs, so a
+    read of a stale page (another request's, or a finished one's) would surface as NaN.
     """
 
     def __init__(self, model: Model, *, page_size: int = 16, num_pages: int,
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 attention_impl: str = "auto", seed: int = 0):
+                 attention_impl: str = "auto", seed: int = 0, debug_nan_freed_pages: bool = False):
         cfg = model.config
         _positive_int("page_size", page_size)
         if page_size & (page_size - 1):
@@ -84,7 +86,8 @@ class Engine:
         self.max_num_seqs, self.max_model_len, self.seed = max_num_seqs, max_model_len, seed
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.steps = make_steps(model.graphdef, attention_impl)
-        self.allocator = PageAllocator(num_pages)
+        self.debug_nan_freed_pages = debug_nan_freed_pages
+        self.allocator = PageAllocator(num_pages, track_freed=debug_nan_freed_pages)
         self.radix = RadixCache(self.allocator, page_size) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=page_size,
                                    max_num_seqs=max_num_seqs,
@@ -194,6 +197,10 @@ class Engine:
         or finished in it, and of requests aborted since the last step."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        if self.debug_nan_freed_pages:  # poison what is free now: a later read would show NaN
+            freed = self.allocator.drain_freed()
+            if freed:
+                self.state = fill_pages_padded(self.state, freed, float("nan"))
         if plan.copies:
             self.state = copy_pages_padded(self.state, plan.copies)
         rows = plan.rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.kv import PagedKVState
@@ -26,6 +27,23 @@ def copy_pages(state: PagedKVState, src, dst) -> PagedKVState:
         return pages_lkpsd.at[:, :, dst].set(moved, mode="drop")
 
     return state.replace(k_pages=copy(state.k_pages), v_pages=copy(state.v_pages))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def fill_pages(state: PagedKVState, pages, value) -> PagedKVState:
+    """Sets every entry of pages ``pages`` (i32[N]; >= P is dropped) to ``value``: the debug
+    option that poisons freed pages with NaN, to prove they are never read."""
+    def fill(pages_lkpsd):
+        return pages_lkpsd.at[:, :, pages].set(jnp.asarray(value, pages_lkpsd.dtype), mode="drop")
+
+    return state.replace(k_pages=fill(state.k_pages), v_pages=fill(state.v_pages))
+
+
+def fill_pages_padded(state: PagedKVState, pages, value) -> PagedKVState:
+    """`fill_pages` with N padded to a bucket."""
+    ids = np.full(bucket(len(pages)), state.num_pages, np.int32)
+    ids[: len(pages)] = pages
+    return fill_pages(state, ids, value)
 
 
 def copy_pages_padded(state: PagedKVState, pairs) -> PagedKVState:
