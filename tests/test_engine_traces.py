@@ -46,7 +46,7 @@ def traces(draw):
     return requests
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_random_traces_keep_invariants_and_outputs(tiny_model, trace):
     engine = Engine(tiny_model, **SHAPE)

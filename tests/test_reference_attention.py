@@ -96,7 +96,7 @@ def test_dense_matches_paged_prefill():
     np.testing.assert_allclose(np.asarray(got).reshape(b * t, h, d), want, atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(data=st.data())
 def test_random_ragged_batches(data):
     nseq = data.draw(st.integers(1, 4))
