@@ -50,3 +50,11 @@ class SamplingParams:
         if any(not isinstance(i, int) or i < 0 for i in stop):
             fail("stop_token_ids", self.stop_token_ids, "must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", stop)
+
+    def finish_reason(self, token: int, num_generated: int, eos_token_ids) -> str | None:
+        """Why a sequence ends after sampling `token` as its `num_generated`-th output token:
+        "stop" (a stop token, once min_tokens are out), "length" (max_tokens), or None."""
+        stop = token in self.stop_token_ids or (token in eos_token_ids and not self.ignore_eos)
+        if stop and num_generated >= self.min_tokens:
+            return "stop"
+        return "length" if num_generated >= self.max_tokens else None

@@ -77,7 +77,7 @@ def _ragged_case(rng, cfg, dtype=jnp.float32, layers=0):
     return q, k, v, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(len(q_lens))
 
 
-def _close(got, want, dtype):
+def _assert_close(got, want, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                **TOL[dtype])
 
@@ -87,7 +87,7 @@ def test_decode_matches_reference(cfg):
     q, k, v, table, lens = _decode_case(np.random.default_rng(0), cfg)
     got = decode(q, k, v, table, lens)
     assert got.shape == q.shape and got.dtype == q.dtype
-    _close(got, decode_ref(q, k, v, table, lens, sm_scale=SCALE), jnp.float32)
+    _assert_close(got, decode_ref(q, k, v, table, lens, sm_scale=SCALE), jnp.float32)
     np.testing.assert_array_equal(np.asarray(got[0]), 0)  # padding row: finite zeros
 
 
@@ -96,7 +96,7 @@ def test_ragged_matches_reference(cfg):
     q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(1), cfg)
     got = ragged(q, k, v, table, kv_lens, cu, n)
     assert got.shape == q.shape and got.dtype == q.dtype
-    _close(got, ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE), jnp.float32)
+    _assert_close(got, ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE), jnp.float32)
     np.testing.assert_array_equal(np.asarray(got[-3:]), 0)  # padding tokens: finite zeros
 
 
@@ -105,20 +105,20 @@ def test_bf16():
     q, k, v, table, lens = _decode_case(np.random.default_rng(2), cfg, jnp.bfloat16)
     got = decode(q, k, v, table, lens)
     assert got.dtype == jnp.bfloat16
-    _close(got, decode_ref(q, k, v, table, lens, sm_scale=SCALE), jnp.bfloat16)
+    _assert_close(got, decode_ref(q, k, v, table, lens, sm_scale=SCALE), jnp.bfloat16)
     q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(3), cfg, jnp.bfloat16)
     got = ragged(q, k, v, table, kv_lens, cu, n)
-    _close(got, ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE), jnp.bfloat16)
+    _assert_close(got, ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE), jnp.bfloat16)
 
 
 def test_soft_cap_and_sliding_window():
     cfg, opts = CONFIGS[1], dict(soft_cap=2.0, sliding_window=21)  # a window across pages
     q, k, v, table, lens = _decode_case(np.random.default_rng(4), cfg)
-    _close(decode(q, k, v, table, lens, num_splits=1, **opts),
+    _assert_close(decode(q, k, v, table, lens, num_splits=1, **opts),
            decode_ref(q, k, v, table, lens, sm_scale=SCALE, **opts), jnp.float32)
     q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(5), cfg)
     # block_q = 4: several query blocks per sequence, each with its own page range.
-    _close(ragged(q, k, v, table, kv_lens, cu, n, block_q=4, **opts),
+    _assert_close(ragged(q, k, v, table, kv_lens, cu, n, block_q=4, **opts),
            ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE, **opts), jnp.float32)
 
 
@@ -127,9 +127,9 @@ def test_decode_split_count_does_not_change_the_result():
     cfg, opts = CONFIGS[2], dict(sliding_window=45)
     q, k, v, table, lens = _decode_case(np.random.default_rng(9), cfg)
     want = decode_ref(q, k, v, table, lens, sm_scale=SCALE, **opts)
-    _close(decode(q, k, v, table, lens, num_splits=4, pages_per_block=1, **opts), want,
+    _assert_close(decode(q, k, v, table, lens, num_splits=4, pages_per_block=1, **opts), want,
            jnp.float32)
-    _close(decode(q, k, v, table, lens, num_splits=1, pages_per_block=1, **opts), want,
+    _assert_close(decode(q, k, v, table, lens, num_splits=1, pages_per_block=1, **opts), want,
            jnp.float32)
 
 
@@ -143,10 +143,10 @@ def test_layer_of_5d_pages_equals_4d_slice():
 
     _, per_layer = jax.lax.scan(step, None, jnp.arange(3, dtype=jnp.int32))
     for layer in range(3):
-        _close(per_layer[layer], decode(q, k[layer], v[layer], table, lens), jnp.float32)
+        _assert_close(per_layer[layer], decode(q, k[layer], v[layer], table, lens), jnp.float32)
 
     q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(7), cfg, layers=2)
-    _close(ragged(q, k, v, table, kv_lens, cu, n, layer=jnp.int32(1)),
+    _assert_close(ragged(q, k, v, table, kv_lens, cu, n, layer=jnp.int32(1)),
            ragged(q, k[1], v[1], table, kv_lens, cu, n), jnp.float32)
 
 
@@ -157,7 +157,7 @@ def test_freed_pages_poisoned_with_nan_do_not_leak():
     for row, n in enumerate(np.asarray(lens)):
         used[np.asarray(table)[row, :-(-n // cfg[0])]] = True
     k_nan, v_nan = (jnp.where(jnp.asarray(used)[None, :, None, None], x, jnp.nan) for x in (k, v))
-    _close(decode(q, k_nan, v_nan, table, lens), decode(q, k, v, table, lens), jnp.float32)
+    _assert_close(decode(q, k_nan, v_nan, table, lens), decode(q, k, v, table, lens), jnp.float32)
 
     q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(1), cfg)
     used = np.zeros(k.shape[1], bool)
@@ -165,7 +165,7 @@ def test_freed_pages_poisoned_with_nan_do_not_leak():
         used[np.asarray(table)[row, :-(-length // cfg[0])]] = True
     k_nan, v_nan = (jnp.where(jnp.asarray(used)[None, :, None, None], x, jnp.nan) for x in (k, v))
     got = ragged(q, k_nan, v_nan, table, kv_lens, cu, n)
-    _close(got, ragged(q, k, v, table, kv_lens, cu, n), jnp.float32)
+    _assert_close(got, ragged(q, k, v, table, kv_lens, cu, n), jnp.float32)
     assert np.isfinite(np.asarray(got)).all()
 
 
@@ -214,7 +214,7 @@ def test_random_ragged_batches(data):
                  sliding_window=window)
     want = ragged_ref(q, k, v, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(nseq),
                       sm_scale=SCALE, sliding_window=window)
-    _close(got, want, jnp.float32)
+    _assert_close(got, want, jnp.float32)
     assert np.isfinite(np.asarray(got)).all()
 
 
@@ -290,8 +290,8 @@ def test_sweep(page_size, kv_heads, group, head_dim, dtype):
     rng = np.random.default_rng(page_size * group + head_dim)
     opts = dict(soft_cap=5.0, sliding_window=2 * page_size + 3) if group == 2 else {}
     q, k, v, table, lens = _decode_case(rng, cfg, dtype)
-    _close(decode(q, k, v, table, lens, **opts),
+    _assert_close(decode(q, k, v, table, lens, **opts),
            decode_ref(q, k, v, table, lens, sm_scale=SCALE, **opts), dtype)
     q, k, v, table, kv_lens, cu, n = _ragged_case(rng, cfg, dtype)
-    _close(ragged(q, k, v, table, kv_lens, cu, n, **opts),
+    _assert_close(ragged(q, k, v, table, kv_lens, cu, n, **opts),
            ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE, **opts), dtype)

@@ -219,7 +219,8 @@ def test_host_bookkeeping_runs_without_jax():
         "    sys.modules[name] = importlib.util.module_from_spec(spec)\n"
         "    spec.loader.exec_module(sys.modules[name])\n"
         "assert not {'jax', 'numpy', 'jaxkv'} & set(sys.modules), sorted(sys.modules)\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 # ---- stateful simulation ----------------------------------------------------------------

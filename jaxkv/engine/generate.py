@@ -153,9 +153,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         for i, s in finishing.items():
             tok = int(tokens[i])
             s.out.append(tok)
-            sp = s.params
-            stop = tok in sp.stop_token_ids or (tok in eos and not sp.ignore_eos)
-            if len(s.out) >= sp.max_tokens or (stop and len(s.out) >= sp.min_tokens):
+            if s.params.finish_reason(tok, len(s.out), eos) is not None:
                 s.done = True
 
     # Prefill: chunks of every prompt, packed under a token budget.

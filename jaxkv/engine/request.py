@@ -79,13 +79,7 @@ class Request:
         count only once min_tokens have been generated, as in `jaxkv.generate`.
         """
         self.token_ids.append(token)
-        sp, n = self.sampling_params, self.num_output_tokens
-        stop = token in sp.stop_token_ids or (token in eos_token_ids and not sp.ignore_eos)
-        if stop and n >= sp.min_tokens:
-            return "stop"
-        if n >= sp.max_tokens:
-            return "length"
-        return None
+        return self.sampling_params.finish_reason(token, self.num_output_tokens, eos_token_ids)
 
 
 @dataclasses.dataclass
