@@ -1,19 +1,12 @@
 """scripts/bench_prefix_cache.py runs end to end on a tiny model (timings are not checked)."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_prefix_cache.py"
+from script_loader import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_prefix_cache", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_prefix_cache"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_prefix_cache")
 
 
 def test_bench_prefix_cache_small_run(capsys, tmp_path):

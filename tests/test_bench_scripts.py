@@ -1,18 +1,6 @@
 """The benchmark scripts run end to end in their CPU modes (numbers are not checked here)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from script_loader import load_script as _load
 
 
 def test_bench_kernels_refuses_cpu_timings(capsys):

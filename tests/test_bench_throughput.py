@@ -1,18 +1,10 @@
 """scripts/bench_throughput.py runs end to end on a tiny model (numbers are not checked)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_throughput.py"
+from script_loader import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_throughput"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_throughput")
 
 
 def test_bench_throughput_small_run(capsys, tmp_path):
