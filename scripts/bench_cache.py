@@ -12,7 +12,6 @@ speed against the weight-read bound (model bytes / measured memory bandwidth).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import platform
 import sys
 import time
@@ -22,11 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-
-BENCH_CONFIG = jaxkv.ModelConfig(
-    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
-    num_kv_heads=12, head_dim=64, tie_word_embeddings=True, max_position_embeddings=2048,
-)
 
 
 def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -51,9 +45,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=BENCH_CONFIG.num_layers)
+    parser.add_argument("--layers", type=int, default=12)
     args = parser.parse_args(argv)
-    config = dataclasses.replace(BENCH_CONFIG, num_layers=args.layers)
+    config = jaxkv.ModelConfig.bench(num_layers=args.layers)
     model = jaxkv.random_model(config, seed=0)
     n_max = max(args.tokens)
     prompt = [np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len).tolist()]

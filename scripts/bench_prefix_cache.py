@@ -1,6 +1,6 @@
 """Prefix caching on vs off: time to first token (TTFT) and prompt tokens computed, with `Engine`.
 
-Builds the ~110M-parameter Llama-shaped model of scripts/bench_cache.py locally (fp32, random
+Builds the ~110M-parameter benchmark model (`ModelConfig.bench()`) locally (fp32, random
 weights: speed does not depend on the values; `--layers` / `--hidden` shrink it) and serves two
 workloads of token ids through `jaxkv.Engine`, once with ``enable_prefix_caching=True`` and once
 with False, on fresh engines:
@@ -28,25 +28,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import platform
 import statistics
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 
 import jaxkv
-
-
-def _bench_config() -> jaxkv.ModelConfig:
-    """BENCH_CONFIG of scripts/bench_cache.py (one model for both benchmarks)."""
-    path = Path(__file__).resolve().parent / "bench_cache.py"
-    spec = importlib.util.spec_from_file_location("_bench_cache_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.BENCH_CONFIG
 
 
 @dataclasses.dataclass
@@ -152,10 +141,9 @@ def plot(path: str, a: dict, b: dict) -> None:
 
 
 def main(argv=None) -> int:
-    base = _bench_config()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=base.num_layers)
-    parser.add_argument("--hidden", type=int, default=base.hidden_size,
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768,
                         help="hidden size (heads = hidden / 64, MLP = hidden * 8/3)")
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--suffix", type=int, default=16)
@@ -169,11 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument("--out", default="bench_prefix_cache.png")
     args = parser.parse_args(argv)
-    heads = max(1, args.hidden // 64)
-    config = dataclasses.replace(
-        base, num_layers=args.layers, hidden_size=args.hidden, num_heads=heads,
-        num_kv_heads=heads, head_dim=args.hidden // heads,
-        intermediate_size=base.intermediate_size * args.hidden // base.hidden_size)
+    config = jaxkv.ModelConfig.bench(num_layers=args.layers, hidden_size=args.hidden)
     model = jaxkv.random_model(config, seed=0)
     vocab, ps = config.vocab_size, args.page_size
     longest = args.user * args.turns + args.reply * args.turns

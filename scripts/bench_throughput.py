@@ -35,11 +35,6 @@ import jaxkv
 from jaxkv.engine.llm import kv_bytes_per_token
 from jaxkv.model.loading import save_params
 
-BENCH_CONFIG = jaxkv.ModelConfig(
-    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
-    num_kv_heads=12, head_dim=64, tie_word_embeddings=True, max_position_embeddings=2048,
-)
-
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     """n prompts, lengths spread evenly over [lo, hi] (shuffled), random token ids."""
@@ -163,8 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-len", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=BENCH_CONFIG.num_layers)
-    parser.add_argument("--hidden", type=int, default=BENCH_CONFIG.hidden_size,
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768,
                         help="hidden size; heads = hidden / 64, MLP = hidden * 8/3")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=0,
@@ -178,13 +173,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_throughput.png")
     args = parser.parse_args(argv)
 
-    heads = max(1, args.hidden // 64)
-    config = dataclasses.replace(
-        BENCH_CONFIG, num_layers=args.layers, hidden_size=args.hidden, num_heads=heads,
-        num_kv_heads=heads, head_dim=args.hidden // heads,
-        intermediate_size=2048 if args.hidden == 768 else args.hidden * 8 // 3,
-        max_position_embeddings=max(BENCH_CONFIG.max_position_embeddings,
-                                    args.max_len + args.new_tokens))
+    config = jaxkv.ModelConfig.bench(num_layers=args.layers, hidden_size=args.hidden)
+    config = dataclasses.replace(config, max_position_embeddings=max(
+        config.max_position_embeddings, args.max_len + args.new_tokens))
     vocab = config.vocab_size
     max_len = max(args.min_len, args.max_len)
     prompts = make_prompts(args.prompts, args.min_len, max_len, vocab, seed=0)

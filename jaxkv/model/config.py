@@ -79,6 +79,17 @@ class ModelConfig:
         return v * e * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + e
 
     @classmethod
+    def bench(cls, num_layers: int = 12, hidden_size: int = 768) -> ModelConfig:
+        """The benchmarks' model: ~110M params at the defaults (GPT-2-small-like Llama, fp32
+        in use, vocab 32,000, tied embeddings, MHA with 64-wide heads). Smaller `num_layers`
+        and `hidden_size` shrink it for quick runs, keeping the MLP at 8/3 of the width."""
+        heads = max(1, hidden_size // 64)
+        return cls(vocab_size=32000, hidden_size=hidden_size,
+                   intermediate_size=2048 * hidden_size // 768, num_layers=num_layers,
+                   num_heads=heads, num_kv_heads=heads, head_dim=hidden_size // heads,
+                   tie_word_embeddings=True, max_position_embeddings=2048)
+
+    @classmethod
     def from_hf(cls, path_or_config: str | Path | Any) -> ModelConfig:
         """Builds a config from a checkpoint folder, a config.json path, or an HF config."""
         hf = path_or_config
