@@ -11,6 +11,12 @@ from jaxkv.engine.engine import Engine
 from jaxkv.engine.generate import generate, generate_no_cache, generate_with_stats
 from jaxkv.engine.llm import LLM
 from jaxkv.engine.request import CompletionOutput, EngineStats, RequestOutput
+from jaxkv.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    KVStateError,
+    UnsupportedModelError,
+)
 from jaxkv.kv import PagedKVState, init_state
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.pretrained import Model, load_default, load_pretrained, random_model
@@ -19,14 +25,18 @@ from jaxkv.sampling_params import SamplingParams
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "CompletionOutput",
     "Engine",
     "EngineStats",
+    "KVStateError",
     "Model",
     "ModelConfig",
     "PagedKVState",
     "RequestOutput",
     "SamplingParams",
+    "UnsupportedModelError",
     "generate",
     "generate_no_cache",
     "generate_with_stats",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.api import paged_decode_attention, ragged_paged_attention
+from pallas_kernels.tpu_block_sizes import sublane_tile
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu")
 
@@ -27,6 +28,27 @@ def check_attention_impl(impl: str) -> str:
         raise ValueError(f"attention_impl='pallas' needs a GPU or TPU, not "
                          f"{jax.default_backend()!r}; use 'interpret' to run kernels on CPU")
     return impl
+
+
+def kernel_for(impl: str) -> str:
+    """Which code computes attention for ``impl`` here: "tpu", "gpu" or "reference"."""
+    check_attention_impl(impl)
+    if impl in ("auto", "pallas"):
+        platform = jax.default_backend()
+        return platform if platform in ("gpu", "tpu") else "reference"
+    return {"reference": "reference", "interpret": "gpu", "interpret-tpu": "tpu"}[impl]
+
+
+def check_page_size(impl: str, page_size: int, dtype) -> None:
+    """Raises ValueError if the kernel ``impl`` selects cannot take pages of ``page_size``
+    tokens of ``dtype``: every kernel needs a power of two; the TPU kernel also needs a
+    multiple of the sublane tile (8 rows of 32-bit data, 16 of 16-bit) for aligned page DMAs."""
+    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+    if kernel_for(impl) == "tpu" and page_size % sublane_tile(dtype):
+        raise ValueError(f"page_size={page_size}: the TPU kernel (attention_impl={impl!r}) "
+                         f"needs a multiple of {sublane_tile(dtype)} for {jax.numpy.dtype(dtype)} "
+                         "pages")
 
 
 def _backend(impl: str) -> tuple[str, bool]:

@@ -14,11 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxkv.errors import KVStateError
 from jaxkv.model.config import ModelConfig
-
-
-class KVStateError(ValueError):
-    """A PagedKVState whose fields do not have the required shapes or dtypes."""
 
 
 def _check(field: str, fn, *args) -> None:

@@ -30,25 +30,35 @@ class SamplingParams:
         def fail(field, value, why):
             raise ValueError(f"SamplingParams.{field}={value!r}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_real(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.n) or self.n < 1:
             fail("n", self.n, "must be an int >= 1")
         t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
-            fail("temperature", t, "must be a number >= 0 (0 means greedy)")
+        if not is_real(t) or t < 0:
+            fail("temperature", t, "must be a finite number >= 0 (0 means greedy)")
         p = self.top_p
-        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+        if not is_real(p) or not 0 < p <= 1:
             fail("top_p", p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             fail("top_k", self.top_k, "must be an int >= -1 (0 or -1 disables top-k)")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             fail("max_tokens", self.max_tokens, "must be an int >= 1")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             fail("min_tokens", self.min_tokens, "must be an int in [0, max_tokens]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             fail("seed", self.seed, "must be None or an int >= 0")
+        if isinstance(self.stop_token_ids, (str, bytes, int)):
+            fail("stop_token_ids", self.stop_token_ids, "must be a sequence of token ids")
         stop = tuple(self.stop_token_ids or ())
-        if any(not isinstance(i, int) or i < 0 for i in stop):
+        if any(not is_int(i) or i < 0 for i in stop):
             fail("stop_token_ids", self.stop_token_ids, "must be non-negative ints")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", self.ignore_eos, "must be a bool")
         object.__setattr__(self, "stop_token_ids", stop)
 
     def finish_reason(self, token: int, num_generated: int, eos_token_ids) -> str | None:

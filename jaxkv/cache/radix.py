@@ -211,6 +211,11 @@ class RadixCache:
         self._stats["evicted_pages"] += freed
         return freed
 
+    def clear(self) -> int:
+        """Evicts every unlocked entry (the whole cache when nothing is locked): for when the
+        pages' contents were lost. Returns the number of pages that became free."""
+        return self.evict(self.allocator.num_pages)
+
     def _evict_leaf(self, leaf: _Node, need: int) -> None:
         """Drops the leaf's pages from the tail until `need` pages are free; if that is not
         enough, drops the whole leaf. A tail cut keeps the leaf ending on a page boundary."""

@@ -15,12 +15,14 @@ bucketed by `build_batch`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import time
 
 import jax
 import numpy as np
 
+from jaxkv.attention import check_page_size
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine.request import (
@@ -40,12 +42,14 @@ from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
 
 MIN_ROWS = 8
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class _Entry:
     prompt: str | None
     samples: list[Request]  # samples[j] is sample j; samples[0] prefills the prompt
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 def _positive_int(name: str, value) -> int:
@@ -70,8 +74,10 @@ class Engine:
                  attention_impl: str = "auto", seed: int = 0, debug_nan_freed_pages: bool = False):
         cfg = model.config
         _positive_int("page_size", page_size)
-        if page_size & (page_size - 1):
-            raise ValueError(f"Engine: page_size must be a power of two, got {page_size}")
+        try:
+            check_page_size(attention_impl, page_size, model.dtype)
+        except ValueError as e:
+            raise ValueError(f"Engine: {e}") from None
         _positive_int("num_pages", num_pages)
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -156,6 +162,9 @@ class Engine:
 
     def _check_fits(self, request_id: str, prompt_len: int, sp: SamplingParams) -> None:
         total = prompt_len + sp.max_tokens
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"request {request_id!r}: the prompt has {prompt_len} tokens; "
+                             f"max_model_len={self.max_model_len} leaves no room to generate")
         if total > self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt ({prompt_len} tokens) + "
                              f"max_tokens ({sp.max_tokens}) = {total} tokens exceeds "
@@ -165,6 +174,11 @@ class Engine:
             raise ValueError(f"request {request_id!r} needs {need} KV pages ({prompt_len} prompt "
                              f"+ {sp.max_tokens} max_tokens tokens at page_size "
                              f"{self.page_size}) but the cache has only {self.num_pages} pages")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: {bad[0]} is "
+                             f"not a token id in the vocabulary [0, {vocab})")
         if sp.n > self.max_num_seqs:
             raise ValueError(f"SamplingParams.n={sp.n} exceeds max_num_seqs={self.max_num_seqs}")
 
@@ -177,10 +191,13 @@ class Engine:
         return [np.asarray(jax.random.fold_in(base, j), np.uint32) for j in range(sp.n)]
 
     def abort(self, request_id: str) -> None:
-        """Ends an unfinished request now, freeing its pages; the next `step` reports it."""
-        entry = self._requests.pop(request_id, None)
+        """Ends an unfinished request now, freeing its pages; the next `step` reports it.
+
+        Raises ValueError if no unfinished request has this id (never added, finished, or
+        already aborted)."""
+        entry = self._requests.pop(request_id, None) if isinstance(request_id, str) else None
         if entry is None:
-            raise KeyError(f"abort: no unfinished request with request_id {request_id!r}")
+            raise ValueError(f"abort: no unfinished request with request_id {request_id!r}")
         now = time.time()
         for s in entry.samples:  # the parent first: it holds its unborn samples' slots
             if not s.is_done:
@@ -194,9 +211,32 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the (cumulative) output of each request that got a token
-        or finished in it, and of requests aborted since the last step."""
+        or finished in it, and of requests aborted since the last step.
+
+        If the device step (or sampling) raises, the requests in it fail with finish_reason
+        "error" and the message in `RequestOutput.error`; every other request keeps going. If
+        the failure consumed the KV state, it is rebuilt and the other running requests
+        recompute their KV (as after a preemption).
+        """
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        try:
+            sampled = self._run(plan)
+        except Exception as e:  # noqa: BLE001 - any failure of the step fails its requests
+            return outputs + self._fail(plan, e)
+        if sampled is None:
+            return outputs
+        progressed = self.scheduler.update(plan, sampled, time.time())
+        for rid in dict.fromkeys(r.request_id for r in progressed):
+            entry = self._requests[rid]
+            out = self._output(rid, entry)
+            if out.finished:
+                del self._requests[rid]
+            outputs.append(out)
+        return outputs
+
+    def _run(self, plan) -> list[list[int] | None] | None:
+        """The device part of a step: page poisoning and copies, the forward, sampling."""
         if self.debug_nan_freed_pages:  # poison what is free now: a later read would show NaN
             freed = self.allocator.drain_freed()
             if freed:
@@ -205,10 +245,11 @@ class Engine:
             self.state = copy_pages_padded(self.state, plan.copies)
         rows = plan.rows
         if not rows:
-            return outputs
+            return None
         min_rows = min(MIN_ROWS, self.max_num_seqs)
         batch = build_batch(rows, page_size=self.page_size, num_pages=self.num_pages,
                             max_seqs=self.max_num_seqs, max_pages_per_seq=self.max_pages_per_seq,
+                            vocab_size=self.model.config.vocab_size,
                             min_tokens=min_rows, min_rows=min_rows)
         table = batch.page_table
         batch = batch.replace(page_table=np.pad(
@@ -216,13 +257,27 @@ class Engine:
         run = self.steps.decode if batch.max_q_len == 1 else self.steps.prefill
         logits, self.state = run(self.model.params, self.state, batch)
         self._steps += 1
-        progressed = self.scheduler.update(plan, self._sample(logits, rows), time.time())
-        for rid in dict.fromkeys(r.request_id for r in progressed):
-            entry = self._requests[rid]
-            out = self._output(rid, entry)
-            if out.finished:
-                del self._requests[rid]
-            outputs.append(out)
+        return self._sample(logits, rows)
+
+    def _fail(self, plan, error: Exception) -> list[RequestOutput]:
+        """Fails every request with a row in the failed step; keeps the rest serving."""
+        message = f"{type(error).__name__}: {error}"
+        _log.error("engine step failed; failing its requests: %s", message, exc_info=error)
+        now, outputs = time.time(), []
+        for rid in dict.fromkeys(row.request.request_id for row in plan.rows):
+            entry = self._requests.pop(rid)
+            entry.error = message
+            for s in entry.samples:  # its KV may be half-written: cache none of it
+                if not s.is_done:
+                    self.scheduler.finish(s, "error", now, cache=False)
+            outputs.append(self._output(rid, entry))
+        if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+            self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
+            if self.radix is not None:
+                self.radix.clear()
+            self.allocator.drain_freed()
+            self.state = init_state(self.model.config, self.num_pages, self.page_size,
+                                    self.max_num_seqs, self.max_pages_per_seq, self.model.dtype)
         return outputs
 
     def _sample(self, logits, rows: list[ScheduledRow]) -> list[list[int] | None]:
@@ -257,7 +312,7 @@ class Engine:
             request_id=request_id, prompt=entry.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outs, finished=all(s.is_done for s in entry.samples),
             num_cached_tokens=first.num_cached_tokens or 0,
-            metrics=request_metrics(entry.samples))
+            metrics=request_metrics(entry.samples), error=entry.error)
 
     # ---- accounting ----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued: new, preempted, or a sample waiting for its fork
     RUNNING = "running"  # holds a slot and pages
     FINISHED = "finished"
-    ABORTED = "aborted"
+    ABORTED = "aborted"  # aborted by the caller, or failed ("error")
 
 
 @dataclasses.dataclass(eq=False)
@@ -37,7 +37,7 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)  # page i holds positions i*S..
     num_computed_tokens: int = 0  # leading tokens whose KV is in `pages`
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
@@ -89,7 +89,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None: running
 
     @property
     def finished(self) -> bool:
@@ -118,6 +118,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served by the prefix cache (first admission)
     metrics: RequestMetrics
+    error: str | None = None  # set when the request failed (its finish_reason is "error")
 
 
 @dataclasses.dataclass(frozen=True)

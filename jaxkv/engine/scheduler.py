@@ -267,29 +267,38 @@ class Scheduler:
 
     # ---- leaving -------------------------------------------------------------------------
 
-    def finish(self, req: Request, reason: str, now: float) -> None:
-        """Ends a sequence ("stop", "length" or "abort"): frees its pages at once."""
+    def finish(self, req: Request, reason: str, now: float, *, cache: bool = True) -> None:
+        """Ends a sequence ("stop", "length", "abort" or "error"): frees its pages at once,
+        offering its computed KV to the prefix cache first unless ``cache`` is False."""
         if req.status is RequestStatus.RUNNING:
-            self._release(req)
+            self._release(req, cache=cache)
         elif req in self.waiting:
             self.waiting.remove(req)
-        req.status = RequestStatus.ABORTED if reason == "abort" else RequestStatus.FINISHED
+        req.status = (RequestStatus.ABORTED if reason in ("abort", "error")
+                      else RequestStatus.FINISHED)
         req.finish_reason, req.finish_time = reason, now
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self._release(req)
+    def preempt_all(self) -> None:
+        """Sends every running sequence back to wait, caching nothing: for when the device
+        KV was lost (a failed step), so they recompute from their tokens."""
+        for req in list(reversed(self.running)):
+            self._preempt(req, None, cache=False)
+
+    def _preempt(self, req: Request, out: SchedulerOutput | None, *, cache: bool = True) -> None:
+        self._release(req, cache=cache)
         req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
         req.num_preemptions += 1
         self.waiting.insert(0, req)  # victims go newest first, so they queue oldest first
-        out.preempted.append(req)
+        if out is not None:
+            out.preempted.append(req)
         self.counters.preemptions += 1
 
-    def _release(self, req: Request) -> None:
-        """Gives a running sequence's computed KV to the prefix cache, then drops its pages,
-        lock and slots."""
+    def _release(self, req: Request, *, cache: bool = True) -> None:
+        """Gives a running sequence's computed KV to the prefix cache (if ``cache``), then
+        drops its pages, lock and slots."""
         self.running.remove(req)
         n = req.num_computed_tokens
-        if self.radix is not None and n:
+        if cache and self.radix is not None and n:
             self.radix.insert(req.token_ids[:n], req.pages[:-(-n // self.page_size)],
                               req.cache_salt)
         self.allocator.free(req.pages)

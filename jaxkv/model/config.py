@@ -11,12 +11,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jaxkv.errors import CheckpointNotFoundError, UnsupportedModelError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-
-
-class UnsupportedModelError(ValueError):
-    """A checkpoint asks for an architecture or option jaxkv does not implement."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +97,8 @@ class ModelConfig:
             path = Path(path_or_config)
             folder = path.parent if path.name == "config.json" else path
             if not (folder / "config.json").is_file():
-                raise FileNotFoundError(f"no config.json in checkpoint folder {str(folder)!r}")
+                raise CheckpointNotFoundError(
+                    f"no config.json in checkpoint folder {str(folder)!r}")
             try:
                 hf = AutoConfig.from_pretrained(str(folder))
             except (ValueError, KeyError) as e:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
 
@@ -38,10 +39,6 @@ _LAYER_TENSORS = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint's tensors do not match its config."""
-
-
 def _tensor_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -50,7 +47,7 @@ def _tensor_files(folder: Path) -> list[Path]:
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
-    raise FileNotFoundError(
+    raise CheckpointNotFoundError(
         f"no model.safetensors or model.safetensors.index.json in {str(folder)!r}"
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv.errors import CheckpointNotFoundError
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
 from jaxkv.model.loading import load_params
@@ -65,7 +66,8 @@ def load_pretrained(path: str | Path, *, dtype: str = "float32", param_dtype: st
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"load_pretrained: checkpoint folder {str(folder)!r} not found")
+        raise CheckpointNotFoundError(
+            f"load_pretrained: checkpoint folder {str(folder)!r} not found")
     config = ModelConfig.from_hf(folder)
     compute = _dtype(dtype)
     module = load_params(folder, config, dtype=compute,

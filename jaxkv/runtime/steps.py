@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv.attention import check_attention_impl, paged_attention
+from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, write_kv
 from jaxkv.runtime.batch import StepBatch
 
@@ -26,6 +27,7 @@ def _step(graphdef, impl: str, decode: bool, params, state: PagedKVState, batch:
         raise ValueError(f"decode takes one token per row, got max_q_len={batch.max_q_len}")
     model = nnx.merge(graphdef, params)
     c = model.config
+    _check_state(state, model, batch)  # at trace time: a new shape or dtype retraces
 
     def attention(layer, q, k, v, carry):
         k_pages, v_pages = carry
@@ -51,6 +53,18 @@ def _step(graphdef, impl: str, decode: bool, params, state: PagedKVState, batch:
         lengths=state.lengths.at[batch.slots].set(batch.kv_lens, mode="drop"),
     )
     return logits, new_state
+
+
+def _check_state(state: PagedKVState, model, batch: StepBatch) -> None:
+    """Raises KVStateError if `state` cannot hold this model's KV for this batch."""
+    state.validate()
+    state.validate_for(model.config)
+    if state.k_pages.dtype != model.dtype:
+        raise KVStateError(f"PagedKVState.k_pages: dtype {state.k_pages.dtype} does not match "
+                           f"the model's compute dtype {jnp.dtype(model.dtype)}")
+    if batch.page_table.shape[1] > state.max_pages_per_seq:
+        raise KVStateError(f"PagedKVState.page_table: {state.max_pages_per_seq} pages per "
+                           f"sequence, but the batch's page table has {batch.page_table.shape[1]}")
 
 
 class Steps(NamedTuple):
