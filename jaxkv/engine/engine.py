@@ -275,7 +275,8 @@ class Engine:
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
             if self.radix is not None:
                 self.radix.clear()
-            self.allocator.drain_freed()
+            if self.debug_nan_freed_pages:
+                self.allocator.drain_freed()  # the new state starts zeroed
             self.state = init_state(self.model.config, self.num_pages, self.page_size,
                                     self.max_num_seqs, self.max_pages_per_seq, self.model.dtype)
         return outputs
