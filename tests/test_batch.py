@@ -28,7 +28,7 @@ def test_build_batch_layout():
     np.testing.assert_array_equal(b.cu_q_lens, [0, 3, 4])
     np.testing.assert_array_equal(b.kv_lens, [3, 6])
     np.testing.assert_array_equal(b.page_table, [[4, 1, 0], [3, 0, 2]])  # width bucket(3)
-    assert int(b.num_seqs) == 2 and b.max_q_len == 3
+    assert int(b.num_seqs) == 2 and b.max_q_len == 4  # the longest row, 3, as a power of 2
 
 
 @pytest.mark.parametrize("row, match", [

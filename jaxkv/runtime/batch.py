@@ -1,9 +1,11 @@
 """Host-side builders of the device batch for one prefill or decode step.
 
-Axes: T tokens (bucketed), B rows (bucketed), W page-table width (bucketed).
+Axes: T tokens (bucketed), B rows (bucketed), W page-table width (bucketed), Q the longest
+row's tokens (static: it sizes the reference attention's padded work; a power of two).
 Every dimension is rounded up to a bucket (powers of two and 1.5x powers of two), so a long
-run compiles a small, bounded set of programs; padding rows and tokens are inert: their pages
-index P (dropped on write) and their slot index max_seqs (dropped on update).
+run compiles a small, bounded set of programs, which `step_shapes` enumerates; padding rows and
+tokens are inert: their pages index P (dropped on write) and their slot index max_seqs
+(dropped on update).
 """
 
 from __future__ import annotations
@@ -27,6 +29,30 @@ def bucket(n: int, minimum: int = 1) -> int:
     return p
 
 
+def pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def step_shapes(max_tokens: int, max_rows: int, *, min_tokens: int = 1, min_rows: int = 1
+                ) -> set[tuple[int, int, int]]:
+    """Every (T, B, Q) that `build_batch` (bucketed) can produce for batches of at most
+    ``max_rows`` rows and ``max_tokens`` tokens: the step programs a server can need."""
+    shapes = set()
+    for n in range(1, max_rows + 1):
+        b = bucket(n, min_rows)
+        shapes.add((bucket(n, min_tokens), b, 1))  # every row one token
+        for total in range(n + 1, max_tokens + 1):
+            t = bucket(total, min_tokens)
+            q, longest = pow2(-(-total // n)), total - n + 1  # the longest row's range
+            while True:
+                shapes.add((t, b, min(q, t)))
+                if q >= longest:
+                    break
+                q *= 2
+    return shapes
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One sequence's part of a step: its slot, new tokens, and the pages it owns."""
@@ -39,6 +65,8 @@ class Row:
 
 @struct.dataclass
 class StepBatch:
+    """The device inputs of one step (see the module docstring for the axes)."""
+
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
     write_pages: jax.Array  # i32[T]  page each token's K/V goes to (P for padding)
@@ -124,5 +152,18 @@ def build_batch(rows: Sequence[Row], *, page_size: int, num_pages: int, max_seqs
     return StepBatch(
         tokens=tokens, positions=positions, write_pages=write_pages,
         write_offsets=write_offsets, slots=slots, page_table=page_table, kv_lens=kv_lens,
-        cu_q_lens=cu, num_seqs=np.int32(n), max_q_len=min(size_t(longest), t_pad),
+        cu_q_lens=cu, num_seqs=np.int32(n),
+        max_q_len=min(pow2(longest) if bucketed else fine_tokens(longest), t_pad),
     )
+
+
+def padding_batch(t: int, b: int, q: int, *, num_pages: int, max_seqs: int,
+                  max_pages_per_seq: int) -> StepBatch:
+    """A batch of shape (T, B, Q) whose every token and row is padding: running it changes
+    no page and no slot. For compiling a step program ahead of serving."""
+    return StepBatch(
+        tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+        write_pages=np.full(t, num_pages, np.int32), write_offsets=np.zeros(t, np.int32),
+        slots=np.full(b, max_seqs, np.int32),
+        page_table=np.zeros((b, max_pages_per_seq), np.int32), kv_lens=np.zeros(b, np.int32),
+        cu_q_lens=np.zeros(b + 1, np.int32), num_seqs=np.int32(0), max_q_len=q)

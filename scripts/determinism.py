@@ -1,0 +1,68 @@
+"""Where logits are bitwise identical, and where only the tokens are.
+
+Runs one 40-token prompt of the embedded model through the jitted prefill step in different
+ways and compares its last-position logits with running it alone, in one chunk, at page size 16:
+run again (same program, same inputs), padded to 8 rows, batched with 3 other prompts, in 3
+chunks, at page size 8. Prints the largest absolute difference and whether the argmax (the
+greedy token) is the same.
+
+    python scripts/determinism.py [--attention-impl reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import numpy as np
+
+import jaxkv
+from jaxkv.kv import init_state
+from jaxkv.runtime.batch import Row, build_batch
+from jaxkv.runtime.steps import make_steps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention-impl", default="reference")
+    args = parser.parse_args(argv)
+    model = jaxkv.load_default()
+    c = model.config
+    steps = make_steps(model.graphdef, args.attention_impl)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(4, c.vocab_size, 40).tolist()
+    others = [rng.integers(4, c.vocab_size, 30).tolist() for _ in range(3)]
+
+    def last_logits(page_size=16, chunks=(40,), min_rows=1, company=False):
+        state = init_state(c, 64, page_size, 8, 16, model.dtype)
+        pages, start = list(range(8)), 0
+        for chunk in chunks:
+            rows = [Row(0, prompt[start:start + chunk], start, pages)]
+            if company and start == 0:
+                rows += [Row(i + 1, o, 0, list(range(8 + 8 * i, 16 + 8 * i)))
+                         for i, o in enumerate(others)]
+            batch = build_batch(rows, page_size=page_size, num_pages=64, max_seqs=8,
+                                max_pages_per_seq=16, min_rows=min_rows)
+            logits, state = steps.prefill(model.params, state, batch)
+            start += chunk
+        return np.asarray(logits[0])
+
+    alone = last_logits()
+    cases = {"run again": last_logits(), "padded to 8 rows": last_logits(min_rows=8),
+             "with 3 other prompts": last_logits(company=True),
+             "in chunks of 16+16+8": last_logits(chunks=(16, 16, 8)),
+             "page size 8": last_logits(page_size=8)}
+    print(f"backend {jax.default_backend()}, attention_impl {args.attention_impl!r}; "
+          "the same prompt's last logits vs running it alone in one chunk")
+    print(f"{'served':<22} {'bitwise':>8} {'max |diff|':>11} {'same token':>11}")
+    for name, logits in cases.items():
+        diff = float(np.abs(logits - alone).max())
+        print(f"{name:<22} {str(np.array_equal(logits, alone)):>8} {diff:>11.2e} "
+              f"{str(logits.argmax() == alone.argmax()):>11}")
+    print(f"reproduce: python scripts/determinism.py --attention-impl {args.attention_impl}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
