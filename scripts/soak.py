@@ -128,12 +128,13 @@ def soak(engine: jaxkv.Engine, args) -> dict:
     if engine.radix is not None:
         engine.radix.clear()
     leaks = engine.num_pages - engine.allocator.num_free
+    rss_end = rss_mb()  # before the re-runs below, which compile programs of their own
     mismatched = sum(jaxkv.generate(engine.model, [prompt], sp)[0] != tokens
                      for prompt, sp, tokens in watched.values())
     return dict(submitted=submitted, completed=completed, aborted=aborted, rejected=rejected,
                 verified=len(watched), mismatched=mismatched,
                 reasons=reasons, used_at_end=used, leaks=leaks, seconds=seconds, steps=step,
-                stats=engine.stats(), rss_warm=rss_warm or rss_mb(), rss_end=rss_mb(),
+                stats=engine.stats(), rss_warm=rss_warm or rss_mb(), rss_end=rss_end,
                 windows=windows, warmup=warmup)
 
 
@@ -162,28 +163,28 @@ def decode_rate(engine: jaxkv.Engine, prompts: list[list[int]], new: int) -> flo
     return tokens / seconds
 
 
-def storm(engine: jaxkv.Engine, args, vocab: int) -> dict:
-    """Decode throughput of a fixed batch before and after a preemption storm of 64
-    requests whose demand is ~10x the pool (same engine, same programs)."""
+def storm(engine: jaxkv.Engine, args, vocab: int, new: int = 100, repeats: int = 5) -> dict:
+    """Decode throughput of a fixed batch (median of `repeats` runs) before and after a
+    preemption storm of requests whose page demand is ~10x the pool (same engine)."""
     rng = np.random.default_rng(args.seed + 1)
-    fits = max(1, engine.num_pages // 5)  # 4 pages each (64 tokens), with room to spare
+    pages_each = -(-(24 + new) // engine.page_size)
+    fits = max(1, engine.num_pages // (pages_each + 1))  # all decode at once, with room
     batch = [rng.integers(4, vocab, 24).tolist() for _ in range(min(fits, 8))]
-    decode_rate(engine, batch, 40)  # compile and warm
-    before = [decode_rate(engine, batch, 40) for _ in range(3)]
+    decode_rate(engine, batch, new)  # compile and warm
+    before = [decode_rate(engine, batch, new) for _ in range(repeats)]
     p0 = engine.stats().preemptions
-    pages_each = -(-(24 + 100) // engine.page_size)
     n = max(8, engine.num_pages * 10 // pages_each)
-    sp = jaxkv.SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"storm{i}", prompt_token_ids=rng.integers(4, vocab, 24).tolist(),
                            sampling_params=sp)
     while engine.has_unfinished_requests():
         engine.step()
         engine.check()
-    after = [decode_rate(engine, batch, 40) for _ in range(3)]
-    return dict(storm_requests=n, demand_pages=n * pages_each,
+    after = [decode_rate(engine, batch, new) for _ in range(repeats)]
+    return dict(storm_requests=n, demand_pages=n * pages_each, rows=len(batch),
                 preemptions=engine.stats().preemptions - p0,
-                before=max(before), after=max(after))
+                before=float(np.median(before)), after=float(np.median(after)))
 
 
 def main(argv=None) -> int:
@@ -247,7 +248,8 @@ def main(argv=None) -> int:
         st = storm(engine, args, model.config.vocab_size)
         print(f"\npreemption storm: {st['storm_requests']} requests needing "
               f"{st['demand_pages']} pages on {args.num_pages} ({st['preemptions']} preemptions)")
-        print(f"decode throughput of a fixed batch: before {st['before']:.0f} tok/s, after "
+        print(f"decode throughput of a fixed batch of {st['rows']} (median of 5): before "
+              f"{st['before']:.0f} tok/s, after "
               f"{st['after']:.0f} tok/s ({st['after'] / st['before'] - 1:+.1%})")
         engine.radix.clear()
         ok = ok and engine.allocator.num_free == engine.num_pages
