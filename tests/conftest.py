@@ -11,6 +11,10 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+# tests/multidevice needs 8 virtual devices, set before jax initializes: test_scaleout.py
+# runs it in a separate process (JAXKV_MULTIDEVICE=1), so this one keeps one device.
+collect_ignore = [] if os.environ.get("JAXKV_MULTIDEVICE") else ["multidevice"]
+
 
 @pytest.fixture(scope="session")
 def tiny_config():

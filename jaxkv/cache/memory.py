@@ -228,3 +228,43 @@ def plan_capacity(shape: ModelShape, hbm_bytes: int, *, dtype: str = "bfloat16",
         paged_waste_fraction=(paged_tokens - avg_seq_len) / paged_tokens,
         contiguous_waste_fraction=(max_model_len - avg_seq_len) / max_model_len,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPlan:
+    """One device's share of a model split ``tp`` ways by head (see `jaxkv.sharding`)."""
+
+    model: str
+    tp: int
+    kv_replication: int  # copies of each kv head (tp / num_kv_heads when that is > 1)
+    weight_bytes: int  # per device
+    kv_bytes_per_token: int  # per device, replication included
+    kv_tokens: int  # KV tokens that fit per device (so in the whole cache)
+    seqs: int  # concurrent sequences of avg_seq_len tokens (paged)
+    step_floor_s: float  # decode step lower bound: read weights + a full cache once
+    weights_floor_s: float  # ... with an empty cache (batch 1, short context)
+
+
+def plan_sharded(shape: ModelShape, tp: int, *, hbm_bytes: int, bandwidth: float,
+                 dtype: str = "bfloat16", avg_seq_len: int = 2048, page_size: int = 16,
+                 utilization: float = 0.9) -> ShardedPlan:
+    """Bytes per device, KV capacity and a bandwidth floor for a ``tp``-way split.
+
+    Attention and MLP weights, embeddings and lm_head split ``tp`` ways; norm scales are
+    replicated. KV heads split ``tp`` ways, replicated ``tp / num_kv_heads`` times when tp
+    exceeds them. Decode reads every weight and every cached KV byte once per step, so
+    bytes / ``bandwidth`` (per device, bytes/s) bounds the step time from below.
+    """
+    if tp < 1 or shape.num_heads % tp or (shape.num_kv_heads % tp and tp % shape.num_kv_heads):
+        raise ValueError(f"invalid tp: {tp} does not split {shape.num_heads} heads and "
+                         f"{shape.num_kv_heads} kv heads")
+    b = dtype_bytes(dtype)
+    norms = (2 * shape.num_layers + 1) * shape.hidden_size * b
+    weights = (weight_bytes(shape, dtype) - norms) // tp + norms
+    rep = max(1, tp // shape.num_kv_heads)
+    per_token = kv_bytes_per_token(shape, dtype) * rep // tp
+    budget = max(0, int(hbm_bytes * utilization) - weights)
+    tokens = budget // per_token // page_size * page_size
+    seqs = tokens // (-(-avg_seq_len // page_size) * page_size)
+    return ShardedPlan(shape.name, tp, rep, weights, per_token, tokens, seqs,
+                       (weights + tokens * per_token) / bandwidth, weights / bandwidth)

@@ -79,16 +79,21 @@ class RadixCache:
         self._stats = dict(query_tokens=0, hit_tokens=0, inserted_tokens=0, evicted_tokens=0,
                            evicted_pages=0)
 
-    def match_prefix(self, tokens: Sequence[int], salt: str | None = None) -> PrefixMatch:
+    def match_prefix(self, tokens: Sequence[int], salt: str | None = None, *,
+                     peek: bool = False) -> PrefixMatch:
         """The longest cached prefix of `tokens` in namespace `salt`.
 
         Changes no refcount (the caller shares the pages it keeps, and locks the handle before
-        anything can evict); refreshes the LRU recency of the matched path.
+        anything can evict); refreshes the LRU recency of the matched path and counts the
+        query in `stats`, unless ``peek`` (a router's look, which changes nothing).
         """
-        node, matched, pages = self._walk(tokens, self._root(salt))
-        self._touch(node)
-        self._stats["query_tokens"] += len(tokens)
-        self._stats["hit_tokens"] += matched
+        root = self._roots.get(salt) if peek else self._root(salt)
+        node, matched, pages = self._walk(tokens, root) if root else (None, 0, [])
+        if not peek:
+            if node is not None:
+                self._touch(node)
+            self._stats["query_tokens"] += len(tokens)
+            self._stats["hit_tokens"] += matched
         return PrefixMatch(matched, tuple(pages), node)
 
     def _walk(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, int, list[int]]:
@@ -209,6 +214,9 @@ class RadixCache:
                     and parent.lock == 0):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._stats["evicted_pages"] += freed
+        # Drop namespaces left empty, so per-request salts do not accumulate roots.
+        self._roots = {k: r for k, r in self._roots.items()
+                       if r.children or r.lock or k is None}
         return freed
 
     def clear(self) -> int:

@@ -40,6 +40,7 @@ from jaxkv.runtime.page_copy import copy_pages, copy_pages_padded, fill_pages_pa
 from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
+from jaxkv.sharding import shard, shard_state
 
 MIN_ROWS = 8
 _log = logging.getLogger(__name__)
@@ -66,12 +67,17 @@ class Engine:
     ``max_num_batched_tokens`` the tokens of one step (decodes + prefill chunks).
     ``debug_nan_freed_pages`` fills every freed page with NaN before the next step runs, so a
     read of a stale page (another request's, or a finished one's) would surface as NaN.
+    ``mesh`` (`jaxkv.sharding.make_mesh`): tensor parallelism, the model and KV pages split by
+    head over its devices; the host side is the same, one page table for all shards.
     """
 
     def __init__(self, model: Model, *, page_size: int = 16, num_pages: int,
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 attention_impl: str = "auto", seed: int = 0, debug_nan_freed_pages: bool = False):
+                 attention_impl: str = "auto", seed: int = 0, debug_nan_freed_pages: bool = False,
+                 mesh=None):
+        if mesh is not None:  # tensor parallel: weights and KV pages split by head
+            model = shard(model, mesh)
         cfg = model.config
         _positive_int("page_size", page_size)
         try:
@@ -92,7 +98,8 @@ class Engine:
         self.max_num_seqs, self.max_model_len, self.seed = max_num_seqs, max_model_len, seed
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.steps = make_steps(model.graphdef, attention_impl)
+        self.mesh = mesh
+        self.steps = make_steps(model.graphdef, attention_impl, mesh)
         # The Pallas kernels are ragged: the longest row (Q) is no shape for them, so one
         # program per (T, B) serves every Q. Only the jnp reference sizes its work by Q.
         self._q_is_shape = kernel_for(attention_impl) == "reference"
@@ -103,11 +110,15 @@ class Engine:
                                    max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    eos_token_ids=cfg.eos_token_ids)
-        self.state = init_state(cfg, num_pages, page_size, max_num_seqs, self.max_pages_per_seq,
-                                model.dtype)
+        self.state = self._new_state()
         self._requests: dict[str, _Entry] = {}  # unfinished, by id
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._num_added = self._prompt_tokens = self._steps = 0
+
+    def _new_state(self):
+        state = init_state(self.model.config, self.num_pages, self.page_size, self.max_num_seqs,
+                           self.max_pages_per_seq, self.model.dtype)
+        return state if self.mesh is None else shard_state(state, self.mesh)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -318,8 +329,7 @@ class Engine:
                 self.radix.clear()
             if self.debug_nan_freed_pages:
                 self.allocator.drain_freed()  # the new state starts zeroed
-            self.state = init_state(self.model.config, self.num_pages, self.page_size,
-                                    self.max_num_seqs, self.max_pages_per_seq, self.model.dtype)
+            self.state = self._new_state()
         return outputs
 
     def _sample(self, logits, rows: list[ScheduledRow]) -> list[list[int] | None]:

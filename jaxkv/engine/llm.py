@@ -6,13 +6,16 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxkv.engine.engine import Engine
+from jaxkv.engine.replicas import ReplicatedEngine
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.model.pretrained import Model, load_default, load_pretrained
 from jaxkv.sampling_params import SamplingParams
+from jaxkv.sharding import make_mesh
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 2**20
 
@@ -27,7 +30,13 @@ class LLM:
     """A model plus an Engine; ``generate`` and ``chat`` run prompts to completion.
 
     ``model``: None (the embedded tiny model), a checkpoint folder, or a `jaxkv.Model` (then
-    ``dtype`` is unused). ``num_pages`` defaults to what ``kv_cache_memory_bytes`` holds.
+    ``dtype`` is unused). ``num_pages`` defaults to what ``kv_cache_memory_bytes`` holds (per
+    replica; with tensor parallelism each device holds 1/N of it).
+
+    ``tensor_parallel_size=N`` splits the model and its KV pages by head over N devices
+    (`jaxkv.sharding`); ``data_parallel_size=M`` runs M such replicas on M * N devices behind
+    this one LLM, each request routed to the replica caching the longest prefix of its prompt,
+    else the least loaded (`jaxkv.engine.replicas`).
     """
 
     def __init__(self, model: Model | str | Path | None = None, *, page_size: int = 16,
@@ -35,7 +44,8 @@ class LLM:
                  kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 attention_impl: str = "auto", seed: int = 0, dtype: str = "float32"):
+                 attention_impl: str = "auto", seed: int = 0, dtype: str = "float32",
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1):
         if model is None:
             model = load_default(dtype=dtype)
         elif isinstance(model, (str, Path)):
@@ -49,12 +59,26 @@ class LLM:
             if num_pages < 1:
                 raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no page "
                                  f"of {page_bytes} bytes")
+        for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                            ("data_parallel_size", data_parallel_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        devices = jax.devices()
+        need = tensor_parallel_size * data_parallel_size
+        if need > len(devices):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size"
+                             f"={data_parallel_size} needs {need} devices; {len(devices)} "
+                             "available")
         self.model = model
-        self.engine = Engine(model, page_size=page_size, num_pages=num_pages,
-                             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             max_num_batched_tokens=max_num_batched_tokens,
-                             enable_prefix_caching=enable_prefix_caching,
-                             attention_impl=attention_impl, seed=seed)
+        kwargs = dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                      enable_prefix_caching=enable_prefix_caching, attention_impl=attention_impl,
+                      seed=seed)
+        tp = tensor_parallel_size
+        meshes = [make_mesh(tp, devices[r * tp:(r + 1) * tp]) if need > 1 else None
+                  for r in range(data_parallel_size)]
+        engines = [Engine(model, mesh=mesh, **kwargs) for mesh in meshes]
+        self.engine = engines[0] if data_parallel_size == 1 else ReplicatedEngine(engines)
         self._ids = itertools.count()
 
     def generate(self, prompts: str | Sequence[str] | None = None,

@@ -20,24 +20,35 @@ from jaxkv.attention import check_attention_impl, paged_attention
 from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, write_kv
 from jaxkv.runtime.batch import StepBatch
+from jaxkv.sharding import kv_sharding, sharded_attention
 
 
-def _step(graphdef, impl: str, decode: bool, params, state: PagedKVState, batch: StepBatch):
+def _step(graphdef, impl: str, decode: bool, mesh, params, state: PagedKVState,
+          batch: StepBatch):
     if decode and batch.max_q_len != 1:
         raise ValueError(f"decode takes one token per row, got max_q_len={batch.max_q_len}")
     model = nnx.merge(graphdef, params)
     c = model.config
     _check_state(state, model, batch)  # at trace time: a new shape or dtype retraces
 
-    def attention(layer, q, k, v, carry):
-        k_pages, v_pages = carry
-        k_pages = write_kv(k_pages, layer, k, batch.write_pages, batch.write_offsets)
-        v_pages = write_kv(v_pages, layer, v, batch.write_pages, batch.write_offsets)
+    def attend(q, k, v, k_pages, v_pages, layer, write_pages, write_offsets, page_table,
+               kv_lens, cu_q_lens, num_seqs):
+        k_pages = write_kv(k_pages, layer, k, write_pages, write_offsets)
+        v_pages = write_kv(v_pages, layer, v, write_pages, write_offsets)
         out = paged_attention(
-            q, k_pages, v_pages, layer, batch.page_table, batch.kv_lens, batch.cu_q_lens,
-            batch.num_seqs, decode=decode, sm_scale=c.sm_scale,
-            sliding_window=c.sliding_window, max_q_len=batch.max_q_len, impl=impl,
+            q, k_pages, v_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
+            decode=decode, sm_scale=c.sm_scale, sliding_window=c.sliding_window,
+            max_q_len=batch.max_q_len, impl=impl,
         )
+        return out, k_pages, v_pages
+
+    if mesh is not None:  # each device: its heads, its kv heads' pages (no communication)
+        attend = sharded_attention(attend, mesh)
+
+    def attention(layer, q, k, v, carry):
+        out, k_pages, v_pages = attend(q, k, v, *carry, layer, batch.write_pages,
+                                       batch.write_offsets, batch.page_table, batch.kv_lens,
+                                       batch.cu_q_lens, batch.num_seqs)
         return out, (k_pages, v_pages)
 
     hidden, (k_pages, v_pages) = model(batch.tokens, batch.positions, attention,
@@ -52,6 +63,8 @@ def _step(graphdef, impl: str, decode: bool, params, state: PagedKVState, batch:
         page_table=state.page_table.at[batch.slots].set(rows, mode="drop"),
         lengths=state.lengths.at[batch.slots].set(batch.kv_lens, mode="drop"),
     )
+    if mesh is not None:  # keep the donated layout, so the next step reuses the buffers
+        new_state = jax.lax.with_sharding_constraint(new_state, kv_sharding(mesh))
     return logits, new_state
 
 
@@ -75,11 +88,14 @@ class Steps(NamedTuple):
 
 
 @functools.lru_cache(maxsize=16)
-def make_steps(graphdef, attention_impl: str = "auto") -> Steps:
-    """Jitted ``prefill`` and ``decode`` for a model graph; cached so they compile once."""
+def make_steps(graphdef, attention_impl: str = "auto", mesh=None) -> Steps:
+    """Jitted ``prefill`` and ``decode`` for a model graph; cached so they compile once.
+
+    With a ``mesh`` (see `jaxkv.sharding`), params and state are expected on it, sharded
+    for tensor parallelism, and attention runs per device inside ``shard_map``."""
     check_attention_impl(attention_impl)
-    prefill = jax.jit(functools.partial(_step, graphdef, attention_impl, False),
+    prefill = jax.jit(functools.partial(_step, graphdef, attention_impl, False, mesh),
                       donate_argnums=(1,))
-    decode = jax.jit(functools.partial(_step, graphdef, attention_impl, True),
+    decode = jax.jit(functools.partial(_step, graphdef, attention_impl, True, mesh),
                      donate_argnums=(1,))
     return Steps(prefill=prefill, decode=decode)

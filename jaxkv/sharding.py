@@ -1,0 +1,174 @@
+"""Tensor parallelism on a `jax.sharding.Mesh` with one axis, "tp".
+
+Megatron-style split, written as shardings for XLA's partitioner (GSPMD):
+
+- attention: wq, wk, wv (and their biases) split by output column, i.e. by head; wo by row;
+- MLP: w_gate, w_up by column, w_down by row (one all-reduce after wo, one after w_down);
+- embedding [V, E] and lm_head [E, V] split over the vocabulary;
+- KV pages [L, K, P, S, D] split by kv head, so each device stores the K/V of its own heads;
+  the page table and lengths are replicated: one page table serves all shards, and the host
+  side (allocator, radix cache, scheduler) does not know the mesh exists.
+
+The paged-attention kernels run per device inside `shard_map` (`sharded_attention`): each
+device attends with its query heads over its kv heads' pages, no communication.
+
+When ``num_kv_heads < tp``, each device still needs the kv head its query heads read, so
+`shard` replicates kv heads: the model becomes one with ``tp`` kv heads, head j a copy of
+original head ``j * num_kv_heads // tp``. The cost: KV memory per token (and the K/V
+projection) is ``tp / num_kv_heads`` times what it would be if the heads divided evenly; each
+device still holds exactly one kv head, the least any split can hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv.kv import PagedKVState
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.llama import Llama
+from jaxkv.model.pretrained import Model
+
+TP = "tp"
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [E, out]: split the output
+_ROW = ("wo", "w_down")  # [in, E]: split the input
+_BIAS = ("bq", "bk", "bv")
+
+
+def make_mesh(tp: int, devices: Sequence | None = None) -> Mesh:
+    """A 1-D mesh of the first ``tp`` devices (of ``devices``, default `jax.devices()`)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    if tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {len(devices)} devices "
+                         "available")
+    return Mesh(np.asarray(devices[:tp]), (TP,))
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[TP]
+
+
+def check_divisible(config: ModelConfig, tp: int) -> None:
+    """Raises ValueError naming the dimension that does not split over ``tp`` devices."""
+    for name, value in (("num_heads", config.num_heads),
+                        ("intermediate_size", config.intermediate_size),
+                        ("vocab_size", config.vocab_size)):
+        if value % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
+    k = config.num_kv_heads
+    if k % tp and tp % k:
+        raise ValueError(f"tensor_parallel_size={tp} and num_kv_heads={k}: one must divide the "
+                         "other")
+
+
+def kv_replication(config: ModelConfig, tp: int) -> int:
+    """How many copies of each kv head a ``tp``-way split stores (1 when tp divides them)."""
+    return max(1, tp // config.num_kv_heads)
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+
+
+def _expand_kv_heads(module: Llama, tp: int) -> Llama:
+    """The same model with ``tp`` kv heads: head j is a copy of head j * K // tp."""
+    c = module.config
+    k, d = c.num_kv_heads, c.head_dim
+    source = np.arange(tp) * k // tp
+
+    def expand(path, x):
+        if not set(_names(path)) & {"wk", "wv", "bk", "bv"}:
+            return x
+        heads = x.reshape(*x.shape[:-1], k, d)[..., source, :]
+        return heads.reshape(*x.shape[:-1], tp * d)
+
+    graphdef, params = nnx.split(module)
+    new = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(expand, params))
+    new.config = dataclasses.replace(c, num_kv_heads=tp)
+    return new
+
+
+def _spec(path, ndim: int) -> P:
+    names = _names(path)
+    if "embed" in names:
+        return P(TP, None)
+    if "lm_head" in names:
+        return P(None, TP)
+    name = next((n for n in names if n in _COLUMN + _ROW + _BIAS), None)
+    lead = (None,) * (ndim - (1 if name in _BIAS else 2))  # a stacked layer axis, if any
+    if name in _COLUMN:
+        return P(*lead, None, TP)
+    if name in _ROW:
+        return P(*lead, TP, None)
+    if name in _BIAS:
+        return P(*lead, TP)
+    return P()  # norms: replicated
+
+
+def param_shardings(params, mesh: Mesh):
+    """A NamedSharding for every leaf of a model's params, by parameter name."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, _spec(path, x.ndim)), params)
+
+
+def kv_sharding(mesh: Mesh) -> PagedKVState:
+    """Shardings of a PagedKVState: pages by kv head, page table and lengths replicated."""
+    pages = NamedSharding(mesh, P(None, TP, None, None, None))
+    rep = NamedSharding(mesh, P())
+    return PagedKVState(k_pages=pages, v_pages=pages, page_table=rep, lengths=rep)
+
+
+def shard(model: Model, mesh: Mesh) -> Model:
+    """The model with its params placed on ``mesh`` (tensor parallel over axis "tp").
+
+    A functional transform: returns a new `Model`; the input is unchanged. If the mesh has
+    more devices than the model has kv heads, kv heads are replicated first (see the module
+    docstring). Runs on one host or, after `jaxkv.distributed.initialize`, many.
+    """
+    tp = tp_size(mesh)
+    check_divisible(model.config, tp)
+    module = model.module()
+    if model.config.num_kv_heads < tp:
+        module = _expand_kv_heads(module, tp)
+    graphdef, params = nnx.split(module)
+    params = jax.device_put(params, param_shardings(params, mesh))
+    return Model(module.config, graphdef, params, model.tokenizer, model.path)
+
+
+def shard_state(state: PagedKVState, mesh: Mesh) -> PagedKVState:
+    """Places a KV state on ``mesh``: each device holds its kv heads' pages."""
+    return jax.device_put(state, kv_sharding(mesh))
+
+
+def sharded_attention(attend, mesh: Mesh):
+    """Runs ``attend(q, k, v, k_pages, v_pages, layer, *replicated)`` per device: heads of
+    q/k/v and kv heads of the pages split over "tp", every other argument replicated. Returns
+    the attention output (heads split) and the new pages (kv heads split)."""
+    heads, pages, rep = P(None, TP, None), P(None, TP, None, None, None), P()
+
+    def run(q, k, v, k_pages, v_pages, layer, *replicated):
+        fn = jax.shard_map(attend, mesh=mesh,
+                           in_specs=(heads, heads, heads, pages, pages, rep)
+                           + (rep,) * len(replicated),
+                           out_specs=(heads, pages, pages), check_vma=False)
+        return fn(q, k, v, k_pages, v_pages, jnp.asarray(layer, jnp.int32), *replicated)
+
+    return run
+
+
+def bytes_per_device(tree) -> list[int]:
+    """Bytes each device of the tree's arrays holds, in device order."""
+    out: dict = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
+    return [out[k] for k in sorted(out)]

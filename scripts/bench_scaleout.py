@@ -1,0 +1,115 @@
+"""Scale-out capacity: bytes per device, sequences that fit, and step time under tensor
+parallelism; plus a paper estimate for Llama-3-70B on a TPU v5e-16 slice and on 8 x H200.
+
+Part 1 measures on virtual CPU devices (`--devices`, set before jax starts): a small Llama
+(`--layers`, `--hidden`, `--heads`, `--kv-heads`) served by `Engine(mesh=make_mesh(tp))` for
+each tp; per-device weight and KV bytes are read from the arrays' shards, the sequences that
+fit come from those bytes and `--hbm-gib` per device, and the step time is one decode step of
+`--rows` sequences (virtual devices share this machine's cores: the time shows overhead, not
+speedup). Part 2 is arithmetic (`jaxkv.cache.memory.plan_sharded`) on published specs.
+
+    python scripts/bench_scaleout.py [--devices 8] [--layers 4] [--hidden 256] [--heads 8]
+        [--kv-heads 4] [--hbm-gib 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _devices_from_argv(argv) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return int(args[args.index("--devices") + 1]) if "--devices" in args else 8
+
+
+def measure(args) -> list[dict]:
+    import jax
+    import numpy as np
+
+    import jaxkv
+    from jaxkv.sharding import bytes_per_device, kv_replication, make_mesh
+
+    config = jaxkv.ModelConfig(
+        vocab_size=4096, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads, max_position_embeddings=1024)
+    model = jaxkv.random_model(config, seed=0)
+    rng = np.random.default_rng(0)
+    rows = []
+    tp = 1
+    while tp <= min(jax.device_count(), args.heads):
+        engine = jaxkv.Engine(model, mesh=make_mesh(tp), page_size=16, num_pages=256,
+                              max_num_seqs=args.rows, max_model_len=1024,
+                              max_num_batched_tokens=512)
+        weights = max(bytes_per_device(engine.model.params))
+        kv_pages = max(bytes_per_device(engine.state.k_pages)) * 2
+        per_token = kv_pages // (engine.num_pages * engine.page_size)
+        budget = int(args.hbm_gib * 2**30 * 0.9) - weights
+        sp = jaxkv.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for i in range(args.rows):
+            engine.add_request(str(i), prompt_token_ids=rng.integers(4, 4096, 64).tolist(),
+                               sampling_params=sp)
+        times = []
+        while engine.has_unfinished_requests():
+            decoding = all(r.num_pending_tokens == 1 for r in engine.scheduler.running)
+            t = time.perf_counter()
+            engine.step()
+            if decoding and len(engine.scheduler.running) == args.rows:
+                times.append(time.perf_counter() - t)
+        rows.append(dict(tp=tp, rep=kv_replication(config, tp), weights=weights,
+                         per_token=per_token, tokens=budget // per_token,
+                         seqs=budget // (per_token * args.avg_len),
+                         step_ms=1e3 * float(np.median(times[3:]))))
+        tp *= 2
+    return rows
+
+
+def main(argv=None) -> int:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={_devices_from_argv(argv)}").strip()
+    import jax
+
+    from jaxkv.cache.memory import PRESETS, format_bytes, plan_sharded
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--avg-len", type=int, default=1024)
+    parser.add_argument("--hbm-gib", type=float, default=16.0)
+    args = parser.parse_args(argv)
+
+    print(f"(1) measured on {jax.device_count()} virtual {jax.default_backend()} devices: "
+          f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} kv "
+          f"heads, fp32; {args.hbm_gib:g} GiB per device assumed")
+    print(f"{'tp':>3} {'kv copies':>9} {'weights/dev':>12} {'KV B/token/dev':>15} "
+          f"{'KV tokens':>10} {f'seqs@{args.avg_len}':>10} {'decode step':>12}")
+    for r in measure(args):
+        print(f"{r['tp']:>3} {r['rep']:>9} {format_bytes(r['weights']):>12} "
+              f"{r['per_token']:>15,} {r['tokens']:>10,} {r['seqs']:>10,} "
+              f"{r['step_ms']:>10.1f}ms")
+
+    print("\n(2) paper estimate: llama-3-70b, bf16 weights and KV, 90% of HBM, sequences of "
+          "2,048 tokens")
+    print(f"{'system':<22} {'tp':>3} {'kv copies':>9} {'weights/dev':>12} {'KV B/token/dev':>15} "
+          f"{'KV tokens':>11} {'seqs':>6} {'step floor':>11} {'(empty cache)':>14}")
+    systems = [("TPU v5e-16 (16 GiB, 819 GB/s)", 16, 16 * 2**30, 819e9),
+               ("8 x H200 (141 GB, 4.8 TB/s)", 8, 141 * 10**9, 4.8e12)]
+    for name, tp, hbm, bw in systems:
+        p = plan_sharded(PRESETS["llama-3-70b"], tp, hbm_bytes=hbm, bandwidth=bw)
+        print(f"{name:<22} {tp:>3} {p.kv_replication:>9} {format_bytes(p.weight_bytes):>12} "
+              f"{p.kv_bytes_per_token:>15,} {p.kv_tokens:>11,} {p.seqs:>6,} "
+              f"{p.step_floor_s * 1e3:>9.1f}ms {p.weights_floor_s * 1e3:>12.1f}ms")
+    print("\nreproduce: python scripts/bench_scaleout.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

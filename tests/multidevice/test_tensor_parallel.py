@@ -1,0 +1,123 @@
+"""Tensor and data parallelism on virtual CPU devices: the same greedy tokens as one device,
+each device holding 1/tp of the weights and KV pages, and the host side (prefix cache,
+preemption) unchanged under tp = 2."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxkv
+from jaxkv import LLM, Engine, SamplingParams
+from jaxkv.sharding import bytes_per_device, make_mesh, shard
+
+BASE = jaxkv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                         eos_token_ids=(3,))
+CONFIGS = {"gqa": BASE, "mqa": dataclasses.replace(BASE, num_kv_heads=1)}
+SHAPE = dict(page_size=8, num_pages=64, max_num_seqs=8, max_model_len=128,
+             max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+RNG = np.random.default_rng(0)
+SHARED = RNG.integers(4, 128, 20).tolist()
+PROMPTS = [SHARED + RNG.integers(4, 128, int(n)).tolist() for n in (3, 9, 17)] + \
+          [RNG.integers(4, 128, int(n)).tolist() for n in (5, 30, 2)]
+
+
+def test_eight_virtual_devices():
+    assert jax.device_count() == 8
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request):
+    m = jaxkv.random_model(CONFIGS[request.param], seed=1)
+    module = m.module()
+    module.embed.set_value(module.embed[...] * 25.0)  # sharp logits: clear greedy winners
+    return jaxkv.Model.from_module(module)
+
+
+@pytest.fixture(scope="module")
+def one_device(model):
+    outs = LLM(model, **SHAPE).generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
+                                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_greedy_tokens_equal_one_device(model, one_device, tp, dp):
+    llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, **SHAPE)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == one_device
+    engines = llm.engine.replicas if dp > 1 else [llm.engine]
+    used = {d for e in engines for d in e.state.k_pages.sharding.device_set}
+    assert len(used) == tp * dp  # each replica on its own devices
+    if dp > 1:  # the shared prefix pulled its requests to one replica
+        assert llm.engine.routed_by_prefix > 0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_device_holds_its_share(model, tp):
+    engine = Engine(model, mesh=make_mesh(tp), **SHAPE)
+    params, state = engine.model.params, engine.state
+    c = engine.model.config
+    assert c.num_kv_heads == max(tp, model.config.num_kv_heads)  # replicated only if needed
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        spec = x.sharding.spec
+        shard_shape = x.addressable_shards[0].data.shape
+        for axis, name in enumerate(spec):
+            want = x.shape[axis] // tp if name == "tp" else x.shape[axis]
+            assert shard_shape[axis] == want, (jax.tree_util.keystr(path), spec)
+    split = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+             if "tp" in x.sharding.spec]
+    for name in ("embed", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert any(f"'{name}'" in k for k in split), name
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    replicated = sum(x.nbytes for x in jax.tree.leaves(params) if "tp" not in x.sharding.spec)
+    per_device = bytes_per_device(params)
+    assert len(per_device) == tp
+    assert all(b == (total - replicated) // tp + replicated for b in per_device)
+    assert replicated < 0.01 * total  # only the norm scales
+    kv = bytes_per_device(state.k_pages)
+    assert kv == [state.k_pages.nbytes // tp] * tp
+    assert state.k_pages.sharding.spec == P(None, "tp", None, None, None)
+    assert state.k_pages.addressable_shards[0].data.shape[1] == c.num_kv_heads // tp
+    # A step keeps the layout (so the donated buffers are reused in place).
+    engine.add_request("a", prompt_token_ids=PROMPTS[0], sampling_params=GREEDY)
+    engine.step()
+    assert engine.state.k_pages.sharding.spec == P(None, "tp", None, None, None)
+    assert bytes_per_device(engine.state.k_pages) == kv
+
+
+def test_prefix_caching_and_preemption_under_tp2(model):
+    engine = Engine(model, mesh=make_mesh(2), **dict(SHAPE, num_pages=14))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt_token_ids=p, sampling_params=GREEDY)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        engine.check()
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.cached_prompt_tokens > 0
+    want = jaxkv.generate(model, PROMPTS, GREEDY, page_size=8)
+    assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == want
+
+
+def test_shard_is_functional(model):
+    mesh = make_mesh(2)
+    sharded = shard(model, mesh)
+    assert sharded is not model
+    assert all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(model.params))
+    assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(sharded.params))
+
+
+def test_bad_parallel_sizes_are_named(model):
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 does not divide num_heads=4"):
+        LLM(model, tensor_parallel_size=8, **SHAPE)
+    with pytest.raises(ValueError, match="needs 16 devices; 8 available"):
+        LLM(model, tensor_parallel_size=4, data_parallel_size=4, **SHAPE)
+    with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
+        LLM(model, data_parallel_size=0, **SHAPE)
