@@ -34,7 +34,8 @@ class PagedKVState:
 
     def __post_init__(self):
         # jax rebuilds pytrees with placeholder leaves (tracing, vmap axes); check real arrays only.
-        if all(hasattr(x, "shape") and hasattr(x, "dtype") for x in jax.tree.leaves(self)):
+        fields = (self.k_pages, self.v_pages, self.page_table, self.lengths)
+        if all(hasattr(x, "shape") and hasattr(x, "dtype") for x in fields):
             self.validate()
 
     def _looks_valid(self) -> bool:

@@ -72,7 +72,10 @@ def main(argv=None) -> int:
                                f"device_count={_devices_from_argv(argv)}").strip()
     import jax
 
-    from jaxkv.cache.memory import PRESETS, format_bytes, plan_sharded
+    from jaxkv.cache.memory import PRESETS, plan_sharded
+
+    def mib(n):
+        return f"{n / 2**20:,.2f} MiB"
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
@@ -91,19 +94,19 @@ def main(argv=None) -> int:
     print(f"{'tp':>3} {'kv copies':>9} {'weights/dev':>12} {'KV B/token/dev':>15} "
           f"{'KV tokens':>10} {f'seqs@{args.avg_len}':>10} {'decode step':>12}")
     for r in measure(args):
-        print(f"{r['tp']:>3} {r['rep']:>9} {format_bytes(r['weights']):>12} "
+        print(f"{r['tp']:>3} {r['rep']:>9} {mib(r['weights']):>12} "
               f"{r['per_token']:>15,} {r['tokens']:>10,} {r['seqs']:>10,} "
               f"{r['step_ms']:>10.1f}ms")
 
     print("\n(2) paper estimate: llama-3-70b, bf16 weights and KV, 90% of HBM, sequences of "
           "2,048 tokens")
-    print(f"{'system':<22} {'tp':>3} {'kv copies':>9} {'weights/dev':>12} {'KV B/token/dev':>15} "
+    print(f"{'system':<31} {'tp':>3} {'kv copies':>9} {'weights/dev':>12} {'KV B/token/dev':>15} "
           f"{'KV tokens':>11} {'seqs':>6} {'step floor':>11} {'(empty cache)':>14}")
     systems = [("TPU v5e-16 (16 GiB, 819 GB/s)", 16, 16 * 2**30, 819e9),
                ("8 x H200 (141 GB, 4.8 TB/s)", 8, 141 * 10**9, 4.8e12)]
     for name, tp, hbm, bw in systems:
         p = plan_sharded(PRESETS["llama-3-70b"], tp, hbm_bytes=hbm, bandwidth=bw)
-        print(f"{name:<22} {tp:>3} {p.kv_replication:>9} {format_bytes(p.weight_bytes):>12} "
+        print(f"{name:<31} {tp:>3} {p.kv_replication:>9} {p.weight_bytes / 2**30:>8.2f} GiB "
               f"{p.kv_bytes_per_token:>15,} {p.kv_tokens:>11,} {p.seqs:>6,} "
               f"{p.step_floor_s * 1e3:>9.1f}ms {p.weights_floor_s * 1e3:>12.1f}ms")
     print("\nreproduce: python scripts/bench_scaleout.py " + " ".join(

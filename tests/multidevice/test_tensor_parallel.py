@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxkv
 from jaxkv import LLM, Engine, SamplingParams
@@ -16,7 +15,9 @@ from jaxkv.sharding import bytes_per_device, make_mesh, shard
 BASE = jaxkv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                          eos_token_ids=(3,))
-CONFIGS = {"gqa": BASE, "mqa": dataclasses.replace(BASE, num_kv_heads=1)}
+# name: (config, layers stacked and scanned as on GPU/TPU, or a list looped as on CPU)
+CONFIGS = {"gqa": (BASE, False), "mqa": (dataclasses.replace(BASE, num_kv_heads=1), False),
+           "gqa-scan": (BASE, True)}
 SHAPE = dict(page_size=8, num_pages=64, max_num_seqs=8, max_model_len=128,
              max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -26,13 +27,20 @@ PROMPTS = [SHARED + RNG.integers(4, 128, int(n)).tolist() for n in (3, 9, 17)] +
           [RNG.integers(4, 128, int(n)).tolist() for n in (5, 30, 2)]
 
 
+def spec(x) -> tuple:
+    """The PartitionSpec of an array, padded with None to its rank."""
+    s = tuple(x.sharding.spec)
+    return s + (None,) * (x.ndim - len(s))
+
+
 def test_eight_virtual_devices():
     assert jax.device_count() == 8
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model(request):
-    m = jaxkv.random_model(CONFIGS[request.param], seed=1)
+    config, scan = CONFIGS[request.param]
+    m = jaxkv.random_model(config, seed=1, scan_layers=scan)
     module = m.module()
     module.embed.set_value(module.embed[...] * 25.0)  # sharp logits: clear greedy winners
     return jaxkv.Model.from_module(module)
@@ -53,8 +61,13 @@ def test_greedy_tokens_equal_one_device(model, one_device, tp, dp):
     engines = llm.engine.replicas if dp > 1 else [llm.engine]
     used = {d for e in engines for d in e.state.k_pages.sharding.device_set}
     assert len(used) == tp * dp  # each replica on its own devices
-    if dp > 1:  # the shared prefix pulled its requests to one replica
-        assert llm.engine.routed_by_prefix > 0
+    if dp > 1:  # a second round follows the cached prefixes to the replicas holding them
+        assert llm.engine.routed_by_prefix == 0 and llm.engine.routed_by_load == len(PROMPTS)
+        again = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == one_device
+        assert llm.engine.routed_by_prefix == len(PROMPTS)
+        assert all(o.num_cached_tokens == len(p) - 1 for o, p in zip(again, PROMPTS,
+                                                                     strict=True))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -64,11 +77,10 @@ def test_each_device_holds_its_share(model, tp):
     c = engine.model.config
     assert c.num_kv_heads == max(tp, model.config.num_kv_heads)  # replicated only if needed
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        spec = x.sharding.spec
         shard_shape = x.addressable_shards[0].data.shape
-        for axis, name in enumerate(spec):
+        for axis, name in enumerate(spec(x)):
             want = x.shape[axis] // tp if name == "tp" else x.shape[axis]
-            assert shard_shape[axis] == want, (jax.tree_util.keystr(path), spec)
+            assert shard_shape[axis] == want, (jax.tree_util.keystr(path), spec(x))
     split = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
              if "tp" in x.sharding.spec]
     for name in ("embed", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
@@ -81,12 +93,12 @@ def test_each_device_holds_its_share(model, tp):
     assert replicated < 0.01 * total  # only the norm scales
     kv = bytes_per_device(state.k_pages)
     assert kv == [state.k_pages.nbytes // tp] * tp
-    assert state.k_pages.sharding.spec == P(None, "tp", None, None, None)
+    assert spec(state.k_pages) == (None, "tp", None, None, None)
     assert state.k_pages.addressable_shards[0].data.shape[1] == c.num_kv_heads // tp
     # A step keeps the layout (so the donated buffers are reused in place).
     engine.add_request("a", prompt_token_ids=PROMPTS[0], sampling_params=GREEDY)
     engine.step()
-    assert engine.state.k_pages.sharding.spec == P(None, "tp", None, None, None)
+    assert spec(engine.state.k_pages) == (None, "tp", None, None, None)
     assert bytes_per_device(engine.state.k_pages) == kv
 
 
