@@ -21,6 +21,7 @@ from jaxkv.kv import PagedKVState, init_state
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.pretrained import Model, load_default, load_pretrained, random_model
 from jaxkv.sampling_params import SamplingParams
+from jaxkv.sharding import make_mesh, shard
 
 __version__ = "0.1.0"
 __all__ = [
@@ -43,5 +44,7 @@ __all__ = [
     "init_state",
     "load_default",
     "load_pretrained",
+    "make_mesh",
     "random_model",
+    "shard",
 ]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from serving import drive
 
 import jaxkv
 from jaxkv import (
@@ -256,12 +257,7 @@ def test_bad_input_is_named_and_nothing_is_lost(tiny_model, checkpoint, expected
         call(ctx)
     engine.check()
     engine.add_request("good", prompt_token_ids=GOOD, sampling_params=greedy())
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.check()
+    final = drive(engine)
     served = {rid for rid, out in final.items() if out.outputs[0].finish_reason != "abort"}
     assert served == {"good", "inflight"}  # others: a rejected LLM batch, withdrawn whole
     assert final["inflight"].outputs[0].token_ids == expected[0]

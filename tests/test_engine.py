@@ -6,6 +6,7 @@ Most tests share one engine shape (SMALL) with the tiny model, so they share com
 
 import numpy as np
 import pytest
+from serving import drive as run
 
 import jaxkv
 from jaxkv import LLM, Engine, SamplingParams
@@ -24,19 +25,6 @@ def greedy(max_tokens, **kw):
 
 def tokens(rng, n, vocab):
     return rng.integers(4, vocab, size=n).tolist()
-
-
-def run(engine, limit=1000):
-    """Steps to completion, checking the page invariants after every step."""
-    final = {}
-    for _ in range(limit):
-        if not engine.has_unfinished_requests():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.check()
-    raise AssertionError("engine did not finish")
 
 
 def complete(engine, rid, ids, sp, **kw):

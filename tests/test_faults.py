@@ -9,6 +9,7 @@ import collections
 import jax
 import numpy as np
 import pytest
+from serving import drive
 
 import jaxkv
 from jaxkv import Engine, SamplingParams
@@ -17,19 +18,6 @@ from jaxkv.runtime.steps import Steps
 
 def greedy(max_tokens, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def drive(engine, limit=5000):
-    """Steps to completion checking invariants after every step; the final outputs by id."""
-    final = {}
-    for _ in range(limit):
-        if not engine.has_unfinished_requests():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.check()
-    raise AssertionError("engine did not finish")
 
 
 def pages_needed(prompt_len, max_tokens, page_size):

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from serving import drive
 
 import jaxkv
 from jaxkv import LLM, Engine, SamplingParams
@@ -106,12 +107,7 @@ def test_prefix_caching_and_preemption_under_tp2(model):
     engine = Engine(model, mesh=make_mesh(2), **dict(SHAPE, num_pages=14))
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), prompt_token_ids=p, sampling_params=GREEDY)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.check()
+    final = drive(engine)
     stats = engine.stats()
     assert stats.preemptions > 0 and stats.cached_prompt_tokens > 0
     want = jaxkv.generate(model, PROMPTS, GREEDY, page_size=8)
