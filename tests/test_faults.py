@@ -116,36 +116,43 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def faulty(steps: Steps, fail_at: int, consume_state: bool) -> Steps:
-    """The engine's steps, with call number `fail_at` raising InjectedFault; with
-    `consume_state`, the donated state's buffers are deleted first (as a failure after
-    donation would leave them)."""
+def faulty(steps: Steps, fail_at: int, mode: str) -> Steps:
+    """The engine's steps, with call number `fail_at` failing the way `mode` says:
+    "raise": raises InjectedFault, the donated state intact;
+    "consume": deletes the donated state's buffers, then raises (a failure after donation);
+    "late": returns, but with its outputs' buffers gone, so the failure surfaces only when the
+    engine reads the logits (an asynchronous device error)."""
     calls = [0]
 
     def wrap(fn):
         def run(params, state, batch):
             calls[0] += 1
-            if calls[0] == fail_at:
-                if consume_state:
-                    for leaf in jax.tree.leaves(state):
-                        leaf.delete()
-                raise InjectedFault("injected device fault")
-            return fn(params, state, batch)
+            if calls[0] != fail_at:
+                return fn(params, state, batch)
+            if mode == "late":
+                logits, state = fn(params, state, batch)
+                for leaf in jax.tree.leaves((logits, state)):
+                    leaf.delete()
+                return logits, state
+            if mode == "consume":
+                for leaf in jax.tree.leaves(state):
+                    leaf.delete()
+            raise InjectedFault("injected device fault")
         return run
 
     return Steps(prefill=wrap(steps.prefill), decode=wrap(steps.decode))
 
 
-@pytest.mark.parametrize("consume_state", [False, True], ids=["state-kept", "state-lost"])
+@pytest.mark.parametrize("mode", ["raise", "consume", "late"])
 def test_exception_in_a_step_fails_its_requests_and_the_engine_goes_on(
-        tiny_model, tiny_config, consume_state):
+        tiny_model, tiny_config, mode):
     rng = np.random.default_rng(11)
     p, q, late = (rng.integers(4, tiny_config.vocab_size, n).tolist() for n in (2, 5, 12))
     # Budget 3: step 1 prefills p and q's first token; then p's three samples fill the
     # budget, so q is running but outside step 2, which fails.
     engine = Engine(tiny_model, page_size=8, num_pages=32, max_num_seqs=8, max_model_len=64,
                     max_num_batched_tokens=3)
-    engine.steps = faulty(engine.steps, fail_at=2, consume_state=consume_state)
+    engine.steps = faulty(engine.steps, fail_at=2, mode=mode)
     engine.add_request("p", prompt_token_ids=p,
                        sampling_params=SamplingParams(n=3, temperature=0, max_tokens=10))
     engine.add_request("q", prompt_token_ids=q, sampling_params=greedy(10))
@@ -163,9 +170,10 @@ def test_exception_in_a_step_fails_its_requests_and_the_engine_goes_on(
         engine.check()
     assert sorted(final) == ["late", "p", "q"]
     assert [c.finish_reason for c in final["p"].outputs] == ["error"] * 3
-    assert final["p"].error == "InjectedFault: injected device fault"
+    assert final["p"].error.startswith("InjectedFault: injected device fault" if mode != "late"
+                                       else "RuntimeError")  # reading a deleted array
     want = jaxkv.generate(tiny_model, [q, late], greedy(10), page_size=8)
     assert [final[r].outputs[0].token_ids for r in ("q", "late")] == want
     # A lost state sends q back to recompute; a kept one lets it go on where it was.
-    assert engine.stats().preemptions == (1 if consume_state else 0)
+    assert engine.stats().preemptions == (0 if mode == "raise" else 1)
     assert engine.stats().kv_pages_used == 0

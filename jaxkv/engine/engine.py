@@ -36,7 +36,12 @@ from jaxkv.engine.scheduler import ScheduledRow, Scheduler
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import bucket, build_batch, padding_batch, step_shapes
-from jaxkv.runtime.page_copy import copy_pages, copy_pages_padded, fill_pages_padded
+from jaxkv.runtime.page_copy import (
+    copy_pages,
+    copy_pages_padded,
+    fill_pages,
+    fill_pages_padded,
+)
 from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
@@ -306,10 +311,25 @@ class Engine:
                     np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
                     np.zeros(b, np.int32)))
         for n in sorted({bucket(n) for n in range(1, self.max_num_seqs + 1)}):
-            self.state = copy_pages(self.state, np.zeros(n, np.int32),
-                                    np.full(n, self.num_pages, np.int32))
+            dropped = np.full(n, self.num_pages, np.int32)  # out of range: nothing written
+            self.state = copy_pages(self.state, np.zeros(n, np.int32), dropped)
+            if self.debug_nan_freed_pages:
+                self.state = fill_pages(self.state, dropped, float("nan"))
+        self._sample_keys(SamplingParams(n=2), 0)  # the per-request key derivation
         jax.block_until_ready(self.state)
         return len(shapes)
+
+    def _state_lost(self) -> bool:
+        """True if the KV state is unusable: donated to a step that failed before returning
+        (deleted buffers), or the output of a step that failed on the device after returning
+        (an async error that surfaces when the arrays are read)."""
+        try:
+            if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+                return True
+            jax.block_until_ready(self.state)
+            return False
+        except Exception:  # noqa: BLE001 - whatever the device reports, the state is gone
+            return True
 
     def _fail(self, plan, error: Exception) -> list[RequestOutput]:
         """Fails every request with a row in the failed step; keeps the rest serving."""
@@ -323,7 +343,7 @@ class Engine:
                 if not s.is_done:
                     self.scheduler.finish(s, "error", now, cache=False)
             outputs.append(self._output(rid, entry))
-        if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+        if self._state_lost():
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
             if self.radix is not None:
                 self.radix.clear()

@@ -46,19 +46,6 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  attention_impl: str = "auto", seed: int = 0, dtype: str = "float32",
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1):
-        if model is None:
-            model = load_default(dtype=dtype)
-        elif isinstance(model, (str, Path)):
-            model = load_pretrained(model, dtype=dtype)
-        elif not isinstance(model, Model):
-            raise ValueError(f"model must be None, a checkpoint path or a jaxkv.Model, got "
-                             f"{type(model).__name__}")
-        if num_pages is None:
-            page_bytes = kv_bytes_per_token(model) * page_size
-            num_pages = kv_cache_memory_bytes // page_bytes
-            if num_pages < 1:
-                raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no page "
-                                 f"of {page_bytes} bytes")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
                             ("data_parallel_size", data_parallel_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -69,6 +56,20 @@ class LLM:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size"
                              f"={data_parallel_size} needs {need} devices; {len(devices)} "
                              "available")
+        if model is None:
+            model = load_default(dtype=dtype)
+        elif isinstance(model, (str, Path)):  # with N devices, each gets only its shards
+            model = load_pretrained(model, dtype=dtype, on_host=need > 1)
+        elif not isinstance(model, Model):
+            raise ValueError(f"model must be None, a checkpoint path or a jaxkv.Model, got "
+                             f"{type(model).__name__}")
+        if num_pages is None:  # KV heads replicated for tensor parallelism count as stored
+            copies = max(1, tensor_parallel_size // model.config.num_kv_heads)
+            page_bytes = kv_bytes_per_token(model) * copies * page_size
+            num_pages = kv_cache_memory_bytes // page_bytes
+            if num_pages < 1:
+                raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no page "
+                                 f"of {page_bytes} bytes")
         self.model = model
         kwargs = dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
@@ -77,7 +78,9 @@ class LLM:
         tp = tensor_parallel_size
         meshes = [make_mesh(tp, devices[r * tp:(r + 1) * tp]) if need > 1 else None
                   for r in range(data_parallel_size)]
-        engines = [Engine(model, mesh=mesh, **kwargs) for mesh in meshes]
+        # Distinct seeds: unseeded requests on different replicas draw different numbers.
+        engines = [Engine(model, mesh=mesh, **dict(kwargs, seed=seed + r))
+                   for r, mesh in enumerate(meshes)]
         self.engine = engines[0] if data_parallel_size == 1 else ReplicatedEngine(engines)
         self._ids = itertools.count()
 

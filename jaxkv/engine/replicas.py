@@ -3,8 +3,11 @@
 Each replica is a full `Engine` (its own weights, KV pages, prefix cache and scheduler) on its
 own devices (a tensor-parallel mesh of its own, or one device). A new request goes to the
 replica whose prefix cache holds the longest prefix of its prompt (cache-aware routing, as in
-SGLang's router), and to the least loaded replica (fewest unfinished requests, then fewest KV
-pages in use) when no replica has any of it. A request stays on its replica until it finishes.
+SGLang's router) when that prefix is at least ``cache_threshold`` of the prompt and that
+replica is not overloaded (at most ``balance_slack`` more unfinished requests than the least
+loaded); otherwise to the least loaded replica (fewest unfinished requests, then fewest KV
+pages in use). So a system prompt shared by all traffic spreads over every replica instead of
+pinning it to the first one that cached it. A request stays on its replica until it finishes.
 """
 
 from __future__ import annotations
@@ -19,10 +22,16 @@ from jaxkv.sampling_params import SamplingParams
 class ReplicatedEngine:
     """The `Engine` API (add_request, step, abort, ...) over several replicas."""
 
-    def __init__(self, replicas: list[Engine]):
+    def __init__(self, replicas: list[Engine], *, cache_threshold: float = 0.5,
+                 balance_slack: int = 4):
         if not replicas:
             raise ValueError("ReplicatedEngine needs at least one replica")
+        if not 0 <= cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold!r}")
+        if not isinstance(balance_slack, int) or balance_slack < 0:
+            raise ValueError(f"balance_slack must be an int >= 0, got {balance_slack!r}")
         self.replicas = replicas
+        self.cache_threshold, self.balance_slack = cache_threshold, balance_slack
         self.model = replicas[0].model
         self._where: dict[str, int] = {}  # unfinished request id -> replica index
         self.routed_by_prefix = self.routed_by_load = 0
@@ -35,12 +44,15 @@ class ReplicatedEngine:
 
         hits = [e.radix.match_prefix(prompt_ids[:-1], cache_salt, peek=True).num_tokens
                 if e.radix is not None else 0 for e in self.replicas]
+        least = min(range(len(self.replicas)), key=load)
         best = max(hits)
-        if best > 0:
-            self.routed_by_prefix += 1
-            return min((i for i, h in enumerate(hits) if h == best), key=load)
+        if best > 0 and best >= self.cache_threshold * (len(prompt_ids) - 1):
+            cached = min((i for i, h in enumerate(hits) if h == best), key=load)
+            if load(cached)[0] <= load(least)[0] + self.balance_slack:
+                self.routed_by_prefix += 1
+                return cached
         self.routed_by_load += 1
-        return min(range(len(self.replicas)), key=load)
+        return least
 
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids=None,
                     sampling_params: SamplingParams | None = None,
@@ -48,6 +60,8 @@ class ReplicatedEngine:
         if isinstance(request_id, str) and request_id in self._where:
             raise ValueError(f"request_id {request_id!r} is already used by an unfinished "
                              "request")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be None or a string, got {cache_salt!r}")
         ids = self.replicas[0]._prompt_ids(prompt, prompt_token_ids)  # validates the prompt
         i = self.route(ids, cache_salt)
         self.replicas[i].add_request(request_id, prompt, prompt_token_ids, sampling_params,
@@ -66,9 +80,11 @@ class ReplicatedEngine:
         for e in self.replicas:
             if e.has_unfinished_requests() or e._pending:
                 outputs += e.step()
-        for out in outputs:
-            if out.finished:
-                self._where.pop(out.request_id, None)
+        for out in outputs:  # (an aborted id may already be reused: keep the new mapping)
+            i = self._where.get(out.request_id)
+            if out.finished and i is not None and \
+                    out.request_id not in self.replicas[i]._requests:
+                del self._where[out.request_id]
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -169,8 +169,8 @@ class Scheduler:
     def _waiting_order(self) -> list[Request]:
         if self.radix is None or len(self.waiting) == 1 or len(self.waiting) > FCFS_QUEUE_LEN:
             return list(self.waiting)
-        hit = {r: self.radix.match_prefix(r.token_ids[:-1], r.cache_salt).num_tokens
-               for r in self.waiting}
+        hit = {r: self.radix.match_prefix(r.token_ids[:-1], r.cache_salt, peek=True).num_tokens
+               for r in self.waiting}  # a look: no LRU refresh, no hit-rate count
         return sorted(self.waiting,
                       key=lambda r: (r.num_preemptions == 0, -hit[r], r.arrival_index))
 

@@ -78,8 +78,12 @@ def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int,
 
 
 def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
-                param_dtype=jnp.float32, scan_layers: bool | None = None) -> Llama:
-    """Loads a checkpoint folder into a `Llama`, checking every tensor against the config."""
+                param_dtype=jnp.float32, scan_layers: bool | None = None,
+                on_host: bool = False) -> Llama:
+    """Loads a checkpoint folder into a `Llama`, checking every tensor against the config.
+
+    ``on_host`` keeps the weights in host memory (numpy) instead of the default device: for a
+    model larger than one device, which `jaxkv.shard` then places shard by shard."""
     folder = Path(folder)
     model = abstract_model(config, dtype, param_dtype, scan_layers)
     expected = _expected(model)
@@ -116,15 +120,19 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
     if problems:
         raise CheckpointError(f"checkpoint {str(folder)!r} does not match its config: "
                               + " | ".join(problems))
+    def place(array):  # on_host: numpy, for `jaxkv.shard` to send each device its part only
+        return np.asarray(array, dtype=param_dtype) if on_host else \
+            jnp.asarray(array, dtype=param_dtype)
+
     for (name, layer), array in loaded.items():
         if layer is None:
-            getattr(model, name).set_value(jnp.asarray(array, dtype=param_dtype))
+            getattr(model, name).set_value(place(array))
         elif not model.layers.scan:
-            model.layers.param(name, layer).set_value(jnp.asarray(array, dtype=param_dtype))
+            model.layers.param(name, layer).set_value(place(array))
     if model.layers.scan:
         for name in model.layers.names:
             stacked = np.stack([loaded[name, i] for i in range(config.num_layers)])
-            getattr(model.layers, name).set_value(jnp.asarray(stacked, dtype=param_dtype))
+            getattr(model.layers, name).set_value(place(stacked))
     return model
 
 

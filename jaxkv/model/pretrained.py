@@ -59,10 +59,12 @@ def _dtype(name):
 
 
 def load_pretrained(path: str | Path, *, dtype: str = "float32", param_dtype: str | None = None,
-                    scan_layers: bool | None = None) -> Model:
+                    scan_layers: bool | None = None, on_host: bool = False) -> Model:
     """Loads an HF checkpoint folder (config.json + safetensors [+ tokenizer]).
 
     ``scan_layers`` (default: True except on CPU) picks the layer layout; see DecoderLayers.
+    ``on_host`` leaves the weights in host memory for `jaxkv.shard` to split over devices (a
+    model that does not fit one device never lands whole on one).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -72,7 +74,7 @@ def load_pretrained(path: str | Path, *, dtype: str = "float32", param_dtype: st
     compute = _dtype(dtype)
     module = load_params(folder, config, dtype=compute,
                          param_dtype=_dtype(param_dtype) if param_dtype else compute,
-                         scan_layers=scan_layers)
+                         scan_layers=scan_layers, on_host=on_host)
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer

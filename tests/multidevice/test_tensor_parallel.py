@@ -11,6 +11,9 @@ from serving import drive
 
 import jaxkv
 from jaxkv import LLM, Engine, SamplingParams
+from jaxkv.model.loading import save_params
+from jaxkv.runtime.page_copy import copy_pages
+from jaxkv.runtime.sampling import sample
 from jaxkv.sharding import bytes_per_device, make_mesh, shard
 
 BASE = jaxkv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -129,3 +132,27 @@ def test_bad_parallel_sizes_are_named(model):
         LLM(model, tensor_parallel_size=4, data_parallel_size=4, **SHAPE)
     with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
         LLM(model, data_parallel_size=0, **SHAPE)
+
+
+def test_checkpoint_loads_into_shards(model, one_device, tmp_path):
+    save_params(model.module(), tmp_path)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **SHAPE)
+    params = llm.engine.model.params
+    assert all(isinstance(x, jax.Array) and len(x.sharding.device_set) == 2
+               for x in jax.tree.leaves(params))
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == one_device
+
+
+def test_after_warmup_tp2_serving_compiles_nothing(model):
+    engine = Engine(model, mesh=make_mesh(2), **dict(SHAPE, num_pages=14,
+                                                      max_num_batched_tokens=16))
+    engine.warmup()
+    before = (engine.steps.prefill._cache_size(), engine.steps.decode._cache_size(),
+              copy_pages._cache_size(), sample._cache_size())
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt_token_ids=p, sampling_params=GREEDY)
+    drive(engine)
+    assert engine.stats().preemptions > 0 and engine.stats().cached_prompt_tokens > 0
+    assert (engine.steps.prefill._cache_size(), engine.steps.decode._cache_size(),
+            copy_pages._cache_size(), sample._cache_size()) == before
