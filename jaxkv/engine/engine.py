@@ -25,6 +25,7 @@ import numpy as np
 from jaxkv.attention import check_page_size, kernel_for
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
+from jaxkv.engine import warmup as compile_ahead
 from jaxkv.engine.request import (
     CompletionOutput,
     EngineStats,
@@ -35,13 +36,8 @@ from jaxkv.engine.request import (
 from jaxkv.engine.scheduler import ScheduledRow, Scheduler
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
-from jaxkv.runtime.batch import bucket, build_batch, padding_batch, step_shapes
-from jaxkv.runtime.page_copy import (
-    copy_pages,
-    copy_pages_padded,
-    fill_pages,
-    fill_pages_padded,
-)
+from jaxkv.runtime.batch import build_batch
+from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
@@ -107,7 +103,8 @@ class Engine:
         self.steps = make_steps(model.graphdef, attention_impl, mesh)
         # The Pallas kernels are ragged: the longest row (Q) is no shape for them, so one
         # program per (T, B) serves every Q. Only the jnp reference sizes its work by Q.
-        self._q_is_shape = kernel_for(attention_impl) == "reference"
+        self.q_is_shape = kernel_for(attention_impl) == "reference"
+        self.min_rows = min(MIN_ROWS, max_num_seqs)
         self.debug_nan_freed_pages = debug_nan_freed_pages
         self.allocator = PageAllocator(num_pages, track_freed=debug_nan_freed_pages)
         self.radix = RadixCache(self.allocator, page_size) if enable_prefix_caching else None
@@ -266,15 +263,14 @@ class Engine:
         rows = plan.rows
         if not rows:
             return None
-        min_rows = min(MIN_ROWS, self.max_num_seqs)
         batch = build_batch(rows, page_size=self.page_size, num_pages=self.num_pages,
                             max_seqs=self.max_num_seqs, max_pages_per_seq=self.max_pages_per_seq,
                             vocab_size=self.model.config.vocab_size,
-                            min_tokens=min_rows, min_rows=min_rows)
+                            min_tokens=self.min_rows, min_rows=self.min_rows)
         table = batch.page_table
         batch = batch.replace(page_table=np.pad(
             table, ((0, 0), (0, self.max_pages_per_seq - table.shape[1]))))
-        if batch.max_q_len > 1 and not self._q_is_shape:
+        if batch.max_q_len > 1 and not self.q_is_shape:
             batch = batch.replace(max_q_len=batch.tokens.shape[0])
         run = self.steps.decode if batch.max_q_len == 1 else self.steps.prefill
         logits, self.state = run(self.model.params, self.state, batch)
@@ -282,42 +278,13 @@ class Engine:
         return self._sample(logits, rows)
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
-        """The (T tokens, B rows, Q longest row) of every step program this engine can run;
-        Q is 1 for decode steps, and T for prefill steps when the attention is a kernel."""
-        min_rows = min(MIN_ROWS, self.max_num_seqs)
-        shapes = step_shapes(self.max_num_batched_tokens, self.max_num_seqs,
-                             min_tokens=min_rows, min_rows=min_rows)
-        if not self._q_is_shape:
-            shapes = {(t, b, 1 if q == 1 else t) for t, b, q in shapes}
-        return sorted(shapes)
+        """The (T tokens, B rows, Q longest row) of every step program this engine can run."""
+        return compile_ahead.engine_step_shapes(self)
 
     def warmup(self) -> int:
-        """Compiles every program serving can run (each step shape, the sampler for each row
-        count, page copies), so no request ever waits on a compile. Runs padding-only
-        batches: no page or slot changes. Returns the number of step shapes.
-
-        Like capturing CUDA graphs in vLLM, this trades start-up time for a flat serving
-        time; on CPU with the jnp reference there are more shapes (Q is one)."""
-        shapes = self.step_shapes()
-        keys = {}
-        for t, b, q in shapes:
-            batch = padding_batch(t, b, q, num_pages=self.num_pages, max_seqs=self.max_num_seqs,
-                                  max_pages_per_seq=self.max_pages_per_seq)
-            run = self.steps.decode if q == 1 else self.steps.prefill
-            logits, self.state = run(self.model.params, self.state, batch)
-            if b not in keys:
-                keys[b] = np.zeros((b, 2), np.uint32)
-                sample(logits, keys[b], SamplingArrays(
-                    np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
-                    np.zeros(b, np.int32)))
-        for n in sorted({bucket(n) for n in range(1, self.max_num_seqs + 1)}):
-            dropped = np.full(n, self.num_pages, np.int32)  # out of range: nothing written
-            self.state = copy_pages(self.state, np.zeros(n, np.int32), dropped)
-            if self.debug_nan_freed_pages:
-                self.state = fill_pages(self.state, dropped, float("nan"))
-        self._sample_keys(SamplingParams(n=2), 0)  # the per-request key derivation
-        jax.block_until_ready(self.state)
-        return len(shapes)
+        """Compiles every program serving can run, so no request waits on a compile; returns
+        the number of step shapes (see `jaxkv.engine.warmup`)."""
+        return compile_ahead.warmup(self)
 
     def _state_lost(self) -> bool:
         """True if the KV state is unusable: donated to a step that failed before returning
