@@ -156,3 +156,19 @@ def test_after_warmup_tp2_serving_compiles_nothing(model):
     assert engine.stats().preemptions > 0 and engine.stats().cached_prompt_tokens > 0
     assert (engine.steps.prefill._cache_size(), engine.steps.decode._cache_size(),
             copy_pages._cache_size(), sample._cache_size()) == before
+
+
+@pytest.mark.parametrize("impl", ["interpret", "interpret-tpu"])
+def test_pallas_kernels_run_per_device_inside_shard_map(impl):
+    model = jaxkv.random_model(BASE, seed=1)
+    module = model.module()
+    module.embed.set_value(module.embed[...] * 25.0)
+    model = jaxkv.Model.from_module(module)
+    prompts = PROMPTS[:2]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = jaxkv.generate(model, prompts, sp, page_size=8)
+    engine = Engine(model, mesh=make_mesh(2), attention_impl=impl, **SHAPE)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), prompt_token_ids=p, sampling_params=sp)
+    final = drive(engine)
+    assert [final[str(i)].outputs[0].token_ids for i in range(2)] == want
