@@ -15,6 +15,7 @@ bucketed by `build_batch`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
 import time
@@ -342,10 +343,10 @@ class Engine:
 
     def _output(self, request_id: str, entry: _Entry) -> RequestOutput:
         tok = self.model.tokenizer
-        outs = [CompletionOutput(
-            index=s.sample_index, token_ids=s.output_token_ids, finish_reason=s.finish_reason,
-            text=tok.decode(s.output_token_ids, skip_special_tokens=True) if tok else "")
-            for s in entry.samples]
+        detokenize = functools.partial(tok.decode, skip_special_tokens=True) if tok else None
+        outs = [CompletionOutput(index=s.sample_index, token_ids=s.output_token_ids,
+                                 finish_reason=s.finish_reason, detokenize=detokenize)
+                for s in entry.samples]
         first = entry.samples[0]
         return RequestOutput(
             request_id=request_id, prompt=entry.prompt, prompt_token_ids=first.prompt_token_ids,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Collection
+import functools
+from collections.abc import Callable, Collection
 
 from jaxkv.sampling_params import SamplingParams
 
@@ -84,12 +85,21 @@ class Request:
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One sample of a request: its generated tokens so far (cumulative) and why it ended."""
+    """One sample of a request: its generated tokens so far (cumulative) and why it ended.
+
+    ``text`` is decoded from ``token_ids`` when first read: the engine emits an output per
+    request per step, and decoding every one of them would cost time quadratic in the length.
+    """
 
     index: int
-    text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None: running
+    detokenize: Callable[[list[int]], str] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def text(self) -> str:
+        return self.detokenize(self.token_ids) if self.detokenize else ""
 
     @property
     def finished(self) -> bool:
