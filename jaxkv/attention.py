@@ -5,7 +5,9 @@
   "reference"      the pure-jnp oracle everywhere;
   "pallas"         the kernel for the current platform (an error on CPU);
   "interpret"      the GPU-style kernel in Pallas interpret mode (runs on CPU);
-  "interpret-tpu"  the TPU kernel in TPU interpret mode (runs on CPU).
+  "interpret-tpu"  the TPU kernel in TPU interpret mode (runs on CPU);
+  "pallas-gpu" / "pallas-tpu"  that platform's kernel whatever the default backend: for
+                   compiling ahead of time for a chip this process does not run on.
 The runtime passes all layers' pages with a layer index, so kernels read one layer's pages in
 place instead of receiving a copied slice of the pool.
 """
@@ -17,7 +19,8 @@ import jax
 from pallas_kernels.api import paged_decode_attention, ragged_paged_attention
 from pallas_kernels.tpu_block_sizes import sublane_tile
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu", "pallas-gpu",
+                   "pallas-tpu")
 
 
 def check_attention_impl(impl: str) -> str:
@@ -36,7 +39,8 @@ def kernel_for(impl: str) -> str:
     if impl in ("auto", "pallas"):
         platform = jax.default_backend()
         return platform if platform in ("gpu", "tpu") else "reference"
-    return {"reference": "reference", "interpret": "gpu", "interpret-tpu": "tpu"}[impl]
+    return {"reference": "reference", "interpret": "gpu", "interpret-tpu": "tpu",
+            "pallas-gpu": "gpu", "pallas-tpu": "tpu"}[impl]
 
 
 def check_page_size(impl: str, page_size: int, dtype) -> None:
@@ -55,12 +59,13 @@ def _backend(impl: str) -> tuple[str, bool]:
     """(pallas_kernels backend, interpret) for an attention_impl."""
     return {"auto": ("auto", False), "reference": ("reference", False),
             "pallas": ("auto", False), "interpret": ("gpu", True),
-            "interpret-tpu": ("tpu", True)}[impl]
+            "interpret-tpu": ("tpu", True), "pallas-gpu": ("gpu", False),
+            "pallas-tpu": ("tpu", False)}[impl]
 
 
-def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs, *,
+def paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs, *,
                     decode: bool, sm_scale, sliding_window=None, max_q_len=None, impl="auto"):
-    """[T, H, D] attention of a step's tokens over layer `layer` of [L, K, P, S, D] pages.
+    """[T, H, D] attention of a step's tokens over layer `layer` of [L, K, P, S, 2D] pages.
 
     ``decode`` (static): one token per row, rows aligned with tokens; uses the decode kernel.
     """
@@ -69,6 +74,6 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, cu_q_lens, 
                   backend=backend, interpret=interpret)
     if decode:  # padding rows have kv_len 0, which the decode kernels treat as empty
         b = page_table.shape[0]
-        return paged_decode_attention(q[:b], k_pages, v_pages, page_table, kv_lens, **common)
-    return ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
+        return paged_decode_attention(q[:b], kv_pages, page_table, kv_lens, **common)
+    return ragged_paged_attention(q, kv_pages, page_table, kv_lens, cu_q_lens, num_seqs,
                                   max_q_len=max_q_len, **common)

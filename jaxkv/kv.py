@@ -3,6 +3,9 @@
 Axes: L layers, K kv heads, P pages, S page_size, D head_dim, B max_seqs (slots),
 W max_pages_per_seq, T tokens of a step.
 
+Pages hold keys and values side by side, ``kv_pages[..., :D]`` and ``kv_pages[..., D:]``: one
+array the kernels read in place on every backend (``pallas_kernels.layout`` says why).
+
 The host decides *which* pages a slot owns; the device holds *what* is in them. Transitions are
 pure (`state.replace(...)`) and jitted with the state donated, so XLA updates pages in place.
 """
@@ -27,20 +30,19 @@ def _check(field: str, fn, *args) -> None:
 
 @struct.dataclass
 class PagedKVState:
-    k_pages: jax.Array  # [L, K, P, S, D]
-    v_pages: jax.Array  # [L, K, P, S, D]
+    kv_pages: jax.Array  # [L, K, P, S, 2D]  keys in [..., :D], values in [..., D:]
     page_table: jax.Array  # i32[B, W]  slot -> physical pages
     lengths: jax.Array  # i32[B]  tokens cached per slot
 
     def __post_init__(self):
         # jax rebuilds pytrees with placeholder leaves (tracing, vmap axes); check real arrays only.
-        fields = (self.k_pages, self.v_pages, self.page_table, self.lengths)
+        fields = (self.kv_pages, self.page_table, self.lengths)
         if all(hasattr(x, "shape") and hasattr(x, "dtype") for x in fields):
             self.validate()
 
     def _looks_valid(self) -> bool:
-        k, v, pt, ln = self.k_pages, self.v_pages, self.page_table, self.lengths
-        return (len(k.shape) == 5 and v.shape == k.shape and v.dtype == k.dtype
+        kv, pt, ln = self.kv_pages, self.page_table, self.lengths
+        return (len(kv.shape) == 5 and kv.shape[4] % 2 == 0
                 and len(pt.shape) == 2 and pt.dtype == jnp.int32
                 and ln.shape == (pt.shape[0],) and ln.dtype == jnp.int32)
 
@@ -48,9 +50,10 @@ class PagedKVState:
         """Raises KVStateError naming the first field with a wrong rank, shape or dtype."""
         if self._looks_valid():  # the per-step fast path; chex below words the failure
             return
-        _check("k_pages", chex.assert_rank, self.k_pages, 5)
-        _check("v_pages", chex.assert_shape, self.v_pages, self.k_pages.shape)
-        _check("v_pages", chex.assert_type, self.v_pages, self.k_pages.dtype)
+        _check("kv_pages", chex.assert_rank, self.kv_pages, 5)
+        if self.kv_pages.shape[4] % 2:
+            raise KVStateError(f"PagedKVState.kv_pages: last dim must be 2 * head_dim (keys, "
+                               f"then values), got {self.kv_pages.shape[4]}")
         _check("page_table", chex.assert_rank, self.page_table, 2)
         _check("page_table", chex.assert_type, self.page_table, jnp.int32)
         _check("lengths", chex.assert_shape, self.lengths, (self.page_table.shape[0],))
@@ -59,14 +62,14 @@ class PagedKVState:
     def validate_for(self, config: ModelConfig) -> None:
         """Checks that this state can hold the KV of `config`'s model."""
         want = (config.num_layers, config.num_kv_heads, self.num_pages, self.page_size,
-                config.head_dim)
-        _check("k_pages", chex.assert_shape, self.k_pages, want)
+                2 * config.head_dim)
+        _check("kv_pages", chex.assert_shape, self.kv_pages, want)
 
-    num_layers = property(lambda self: self.k_pages.shape[0])
-    num_kv_heads = property(lambda self: self.k_pages.shape[1])
-    num_pages = property(lambda self: self.k_pages.shape[2])
-    page_size = property(lambda self: self.k_pages.shape[3])
-    head_dim = property(lambda self: self.k_pages.shape[4])
+    num_layers = property(lambda self: self.kv_pages.shape[0])
+    num_kv_heads = property(lambda self: self.kv_pages.shape[1])
+    num_pages = property(lambda self: self.kv_pages.shape[2])
+    page_size = property(lambda self: self.kv_pages.shape[3])
+    head_dim = property(lambda self: self.kv_pages.shape[4] // 2)
     max_seqs = property(lambda self: self.page_table.shape[0])
     max_pages_per_seq = property(lambda self: self.page_table.shape[1])
 
@@ -80,19 +83,25 @@ def init_state(config: ModelConfig, num_pages: int, page_size: int, max_seqs: in
             raise ValueError(f"init_state: {name} must be a positive int, got {value!r}")
     if page_size & (page_size - 1):
         raise ValueError(f"init_state: page_size must be a power of two, got {page_size}")
-    shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
+    shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, 2 * config.head_dim)
     return PagedKVState(
-        k_pages=jnp.zeros(shape, dtype),
-        v_pages=jnp.zeros(shape, dtype),
+        kv_pages=jnp.zeros(shape, dtype),
         page_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
         lengths=jnp.zeros((max_seqs,), jnp.int32),
     )
 
 
-def write_kv(pages, layer, new_tkd, page_t, offset_t):
-    """Scatters new K (or V) of T tokens into one layer of [L, K, P, S, D] pages.
+def write_kv(kv_pages, layer, k_tkd, v_tkd, page_t, offset_t):
+    """Scatters the new K and V of T tokens into one layer of [L, K, P, S, 2D] pages.
 
     Token t goes to page ``page_t[t]`` at slot ``offset_t[t]``; a page index >= P (padding
     tokens) is dropped, so padding never touches a page.
     """
-    return pages.at[layer, :, page_t, offset_t].set(new_tkd.astype(pages.dtype), mode="drop")
+    kv_tk2d = jnp.concatenate([k_tkd, v_tkd], axis=-1).astype(kv_pages.dtype)
+    # One scattered row per (token, kv head): the update window is only the contiguous last
+    # axis, so XLA keeps the pool row-major. A [K, 2D] window per token (`[layer, :, page,
+    # offset]`) makes XLA:TPU move K next to 2D in the layout, and then copy the whole pool
+    # back to row-major for the attention kernel in every layer.
+    heads_k = jnp.arange(kv_pages.shape[1], dtype=jnp.int32)[None, :]
+    return kv_pages.at[layer, heads_k, page_t[:, None], offset_t[:, None]].set(
+        kv_tk2d, mode="drop")

@@ -5,7 +5,7 @@ Megatron-style split, written as shardings for XLA's partitioner (GSPMD):
 - attention: wq, wk, wv (and their biases) split by output column, i.e. by head; wo by row;
 - MLP: w_gate, w_up by column, w_down by row (one all-reduce after wo, one after w_down);
 - embedding [V, E] and lm_head [E, V] split over the vocabulary;
-- KV pages [L, K, P, S, D] split by kv head, so each device stores the K/V of its own heads;
+- KV pages [L, K, P, S, 2D] split by kv head, so each device stores the K/V of its own heads;
   the page table and lengths are replicated: one page table serves all shards, and the host
   side (allocator, radix cache, scheduler) does not know the mesh exists.
 
@@ -124,7 +124,7 @@ def kv_sharding(mesh: Mesh) -> PagedKVState:
     """Shardings of a PagedKVState: pages by kv head, page table and lengths replicated."""
     pages = NamedSharding(mesh, P(None, TP, None, None, None))
     rep = NamedSharding(mesh, P())
-    return PagedKVState(k_pages=pages, v_pages=pages, page_table=rep, lengths=rep)
+    return PagedKVState(kv_pages=pages, page_table=rep, lengths=rep)
 
 
 def shard(model: Model, mesh: Mesh) -> Model:
@@ -150,17 +150,16 @@ def shard_state(state: PagedKVState, mesh: Mesh) -> PagedKVState:
 
 
 def sharded_attention(attend, mesh: Mesh):
-    """Runs ``attend(q, k, v, k_pages, v_pages, layer, *replicated)`` per device: heads of
+    """Runs ``attend(q, k, v, kv_pages, layer, *replicated)`` per device: heads of
     q/k/v and kv heads of the pages split over "tp", every other argument replicated. Returns
     the attention output (heads split) and the new pages (kv heads split)."""
     heads, pages, rep = P(None, TP, None), P(None, TP, None, None, None), P()
 
-    def run(q, k, v, k_pages, v_pages, layer, *replicated):
+    def run(q, k, v, kv_pages, layer, *replicated):
         fn = jax.shard_map(attend, mesh=mesh,
-                           in_specs=(heads, heads, heads, pages, pages, rep)
-                           + (rep,) * len(replicated),
-                           out_specs=(heads, pages, pages), check_vma=False)
-        return fn(q, k, v, k_pages, v_pages, jnp.asarray(layer, jnp.int32), *replicated)
+                           in_specs=(heads, heads, heads, pages, rep) + (rep,) * len(replicated),
+                           out_specs=(heads, pages), check_vma=False)
+        return fn(q, k, v, kv_pages, jnp.asarray(layer, jnp.int32), *replicated)
 
     return run
 

@@ -4,8 +4,9 @@
 Mosaic on TPU, the jnp reference elsewhere), "gpu", "tpu", or "reference".
 ``interpret=True`` runs the chosen kernel in Pallas interpret mode, on any platform (the
 TPU kernel under ``pltpu.force_tpu_interpret_mode()``), which is how CPU tests execute
-kernel code. Pages are ``[K, P, S, D]``, or ``[L, K, P, S, D]`` with ``layer`` selecting the
-layer inside the kernel, so a caller scanning over layers never copies a layer's pool.
+kernel code. Pages are packed K|V (``layout.py``): ``[K, P, S, 2D]``, or ``[L, K, P, S, 2D]``
+with ``layer`` selecting the layer inside the kernel, so a caller scanning over layers never
+copies a layer's pool.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def resolve_backend(backend: str) -> str:
     return platform if platform in ("gpu", "tpu") else "reference"
 
 
-def _layer_slice(k_pages, v_pages, layer):
-    if k_pages.ndim == 5:
+def _layer_slice(kv_pages, layer):
+    if kv_pages.ndim == 5:
         if layer is None:
-            raise ValueError("layer is required with 5-D pages [L, K, P, S, D]")
-        return k_pages[layer], v_pages[layer]
-    return k_pages, v_pages
+            raise ValueError("layer is required with 5-D pages [L, K, P, S, 2D]")
+        return kv_pages[layer]
+    return kv_pages
 
 
 def _mode(backend: str, interpret: bool):
@@ -57,8 +58,7 @@ def _mode(backend: str, interpret: bool):
 
 def ragged_paged_attention(
     q,  # [T, H, D]  new-token queries of all sequences, concatenated
-    k_pages,  # [K, P, S, D] or [L, K, P, S, D]
-    v_pages,  # same as k_pages
+    kv_pages,  # [K, P, S, 2D] or [L, K, P, S, 2D]: keys in [..., :D], values in [..., D:]
     page_table,  # i32[B, W]
     kv_lens,  # i32[B]  cached tokens per sequence, including the new ones
     cu_q_lens,  # i32[B + 1]  offsets of each sequence's queries in q
@@ -77,22 +77,21 @@ def ragged_paged_attention(
     backend = resolve_backend(backend)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "reference":
-        k, v = _layer_slice(k_pages, v_pages, layer)
-        return ragged_paged_attention_reference(q, k, v, page_table, kv_lens, cu_q_lens,
-                                                num_seqs, max_q_len=max_q_len, **common)
+        return ragged_paged_attention_reference(q, _layer_slice(kv_pages, layer), page_table,
+                                                kv_lens, cu_q_lens, num_seqs,
+                                                max_q_len=max_q_len, **common)
     with _mode(backend, interpret):
         if backend == "gpu":
-            return ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, kv_lens,
-                                              cu_q_lens, num_seqs, layer=layer,
-                                              interpret=interpret, **common, **tuning)
-        return ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens,
+            return ragged_paged_attention_gpu(q, kv_pages, page_table, kv_lens, cu_q_lens,
+                                              num_seqs, layer=layer, interpret=interpret,
+                                              **common, **tuning)
+        return ragged_paged_attention_tpu(q, kv_pages, page_table, kv_lens, cu_q_lens,
                                           num_seqs, layer=layer, **common, **tuning)
 
 
 def paged_decode_attention(
     q,  # [B, H, D]  one new token per sequence
-    k_pages,  # [K, P, S, D] or [L, K, P, S, D]
-    v_pages,  # same as k_pages
+    kv_pages,  # [K, P, S, 2D] or [L, K, P, S, 2D]
     page_table,  # i32[B, W]
     lengths,  # i32[B]  cached tokens including the new one; 0 marks a padding row
     *,
@@ -108,12 +107,11 @@ def paged_decode_attention(
     backend = resolve_backend(backend)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "reference":
-        k, v = _layer_slice(k_pages, v_pages, layer)
-        return paged_decode_attention_reference(q, k, v, page_table, lengths, **common)
+        return paged_decode_attention_reference(q, _layer_slice(kv_pages, layer), page_table,
+                                                lengths, **common)
     with _mode(backend, interpret):
         if backend == "gpu":
-            return paged_decode_attention_gpu(q, k_pages, v_pages, page_table, lengths,
-                                              layer=layer, interpret=interpret, **common,
-                                              **tuning)
-        return paged_decode_attention_tpu(q, k_pages, v_pages, page_table, lengths, layer=layer,
+            return paged_decode_attention_gpu(q, kv_pages, page_table, lengths, layer=layer,
+                                              interpret=interpret, **common, **tuning)
+        return paged_decode_attention_tpu(q, kv_pages, page_table, lengths, layer=layer,
                                           **common, **tuning)

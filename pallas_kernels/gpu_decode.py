@@ -30,26 +30,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gpu_block_sizes
 from pallas_kernels.gpu_paged_common import (
-    MMA_MIN,
     attend_pages,
     check_common,
     check_knob,
     check_lengths,
     flatten_pool,
-    next_pow2,
     pad_groups,
-    tile_pages,
+    resolve_f32_precision,
     whole,
 )
 
-_TARGET_PROGRAMS = 256  # ~2 programs per SM on an H100/H200 (132 SMs); to be tuned on hardware
-_MMA_MIN_GROUP = 8  # padded G at which tl.dot (padded to 16 rows) beats the broadcast path
 
-
-def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+def _decode_kernel(lengths_ref, table_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
                    width: int, pages_per_split: int, num_pages: int, page_size: int,
-                   pages_per_block: int, sm_scale: float, soft_cap, sliding_window, mma: bool):
+                   pages_per_block: int, sm_scale: float, soft_cap, sliding_window, mma: bool,
+                   precision: str):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
     lo = split * pages_per_split
@@ -64,28 +61,29 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
         return table_ref[pl.ds(p0, pages_per_block)] + h * num_pages
 
     acc, m, l = attend_pages(
-        q_rd, q_pos, None, length, lo, hi, page_rows, k_ref, v_ref, page_size=page_size,
+        q_rd, q_pos, None, length, lo, hi, page_rows, kv_ref, page_size=page_size,
         pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, mma=mma)
+        sliding_window=sliding_window, mma=mma, precision=precision)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _decode_call(q_bkrd, k_fsd, v_fsd, table_bw, lengths_b, *, width: int, num_splits: int,
+def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, *, width: int, num_splits: int,
                  pages_per_split: int, num_pages: int, pages_per_block: int, sm_scale: float,
-                 soft_cap, sliding_window, mma: bool, interpret: bool):
+                 soft_cap, sliding_window, mma: bool, precision: str, num_warps: int,
+                 num_stages: int, interpret: bool):
     """The pallas_call: per-split partials (o f32[B, K, NS, R, D], m and l f32[B, K, NS, R]).
 
     The batch is a grid axis rather than a vmap of a per-sequence call: that is the grid vmap
     would build anyway, and it keeps the per-sequence length a plain scalar read.
     """
     b, k, r, d = q_bkrd.shape
-    _, s, _ = k_fsd.shape
+    _, s, _ = kv_fsd.shape
     kernel = functools.partial(
         _decode_kernel, width=width, pages_per_split=pages_per_split, num_pages=num_pages,
         page_size=s, pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, mma=mma)
+        sliding_window=sliding_window, mma=mma, precision=precision)
     part = (b, k, num_splits, r)
     return pl.pallas_call(
         kernel,
@@ -94,8 +92,7 @@ def _decode_call(q_bkrd, k_fsd, v_fsd, table_bw, lengths_b, *, width: int, num_s
             whole(lengths_b.shape),
             pl.BlockSpec((None, table_bw.shape[1]), lambda i, j, t: (i, 0)),
             pl.BlockSpec((None, None, r, d), lambda i, j, t: (i, j, 0, 0)),
-            whole(k_fsd.shape),  # gathered page by page inside the kernel
-            whole(v_fsd.shape),
+            whole(kv_fsd.shape),  # gathered page by page inside the kernel
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, r, d), lambda i, j, t: (i, j, t, 0, 0)),
@@ -107,10 +104,10 @@ def _decode_call(q_bkrd, k_fsd, v_fsd, table_bw, lengths_b, *, width: int, num_s
             jax.ShapeDtypeStruct(part, jnp.float32),
             jax.ShapeDtypeStruct(part, jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(lengths_b, table_bw, q_bkrd, k_fsd, v_fsd)
+    )(lengths_b, table_bw, q_bkrd, kv_fsd)
 
 
 def _merge_splits(o, m, l):
@@ -125,11 +122,10 @@ def _merge_splits(o, m, l):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits", "pages_per_block",
-                     "interpret"))
+                     "num_warps", "num_stages", "precision", "interpret"))
 def paged_decode_attention_gpu(
     q,  # [B, H, D]  one new token per sequence, already written into the cache
-    k_pages,  # [K, P, S, D], or [L, K, P, S, D] with `layer`
-    v_pages,  # same as k_pages
+    kv_pages,  # [K, P, S, 2D], or [L, K, P, S, 2D] with `layer` (keys, then values)
     page_table,  # i32[B, W]  logical page -> physical page of each sequence
     lengths,  # i32[B]  cached tokens including the new one; 0 = padding row -> zeros
     *,
@@ -139,6 +135,9 @@ def paged_decode_attention_gpu(
     layer=None,  # int or traced i32[] selecting the layer of 5-D pages inside the kernel
     num_splits: int | None = None,
     pages_per_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    precision: str | None = None,  # f32 dots: "tf32" | "tf32x3" | "ieee" (gpu_paged_common)
     interpret: bool = False,
 ):
     """Decode attention over paged K/V with flash-decoding splits -> [B, H, D] in q.dtype.
@@ -146,33 +145,36 @@ def paged_decode_attention_gpu(
     Semantics match ``paged_decode_attention_reference``; ``interpret=True`` runs it on CPU.
     """
     _, n_kv, n_pages, page_size, d = check_common(
-        q, k_pages, v_pages, page_table, layer, sm_scale=sm_scale, soft_cap=soft_cap,
+        q, kv_pages, page_table, layer, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window)
     b, h, _ = q.shape
     if page_table.shape[0] != b:
         raise ValueError(f"page_table rows ({page_table.shape[0]}) must equal q batch ({b})")
     check_lengths("lengths", lengths, b)
-    check_knob("num_splits", num_splits)
-    check_knob("pages_per_block", pages_per_block, pow2=True)
+    for name, value in (("num_splits", num_splits), ("num_stages", num_stages)):
+        check_knob(name, value)
+    for name, value in (("pages_per_block", pages_per_block), ("num_warps", num_warps)):
+        check_knob(name, value, pow2=True)
+    precision = resolve_f32_precision(precision)
 
     g = h // n_kv
-    mma = next_pow2(g) >= _MMA_MIN_GROUP
-    rows = max(next_pow2(g), MMA_MIN) if mma else next_pow2(g)
     width = page_table.shape[1]
-    ppb = pages_per_block or tile_pages(page_size, d, rows, mma, width)
-    if mma and ppb * page_size < MMA_MIN:
-        raise ValueError(f"pages_per_block * page_size must be >= {MMA_MIN} (tl.dot), "
-                         f"got {ppb} * {page_size}")
+    tile = gpu_block_sizes.decode_tile(g, d, page_size, width, jnp.dtype(q.dtype),
+                                       pages_per_block=pages_per_block, num_warps=num_warps,
+                                       num_stages=num_stages)
+    ppb = tile.pages_per_block
     blocks = -(-width // ppb)
-    splits = num_splits or max(1, min(blocks, -(-_TARGET_PROGRAMS // (b * n_kv))))
+    target = gpu_block_sizes.TARGET_PROGRAMS
+    splits = num_splits or max(1, min(blocks, -(-target // (b * n_kv))))
     pps = -(-blocks // min(splits, blocks)) * ppb  # whole tiles per split; no empty splits
     splits = -(-width // pps)
 
-    k_fsd, v_fsd, table = flatten_pool(k_pages, v_pages, page_table, layer, pad_cols=ppb)
+    kv_fsd, table = flatten_pool(kv_pages, page_table, layer, pad_cols=ppb)
     o, m, l = _decode_call(
-        pad_groups(q, n_kv, g, rows), k_fsd, v_fsd, table, lengths, width=width,
+        pad_groups(q, n_kv, g, tile.rows), kv_fsd, table, lengths, width=width,
         num_splits=splits, pages_per_split=pps, num_pages=n_pages, pages_per_block=ppb,
-        sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, mma=mma,
-        interpret=interpret)
+        sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
+        mma=tile.mma, precision=precision, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, interpret=interpret)
     out_bkrd = _merge_splits(o, m, l)
     return out_bkrd[:, :, :g].reshape(b, h, d).astype(q.dtype)

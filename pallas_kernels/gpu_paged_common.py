@@ -6,8 +6,11 @@ kv head, R rows of one query block (G padded, times query tokens), D head_dim, L
 P pages per (layer, kv head), S page_size, W pages per page-table row, N = ppb * S keys per tile
 (ppb = pages per block), F = L * K * P page rows of the flattened pool.
 
-Why a flattened pool: ``[L, K, P, S, D]`` (or ``[K, P, S, D]``) is reshaped to ``[F, S, D]``, a
-bitcast that copies nothing, and the layer is folded into the page table as ``layer * K * P``.
+Pages are packed (``layout.py``): ``[..., S, 2D]`` with the key in ``[:D]`` and the value in
+``[D:]`` of each slot; a tile loads the two halves of the same page rows.
+
+Why a flattened pool: ``[L, K, P, S, 2D]`` (or ``[K, P, S, 2D]``) is reshaped to ``[F, S, 2D]``,
+a bitcast that copies nothing, and the layer is folded into the page table as ``layer * K * P``.
 The kernel then needs one gather index per page (``table + kv_head * P``), the same code serves
 the 4-D and 5-D forms, and a traced ``layer`` inside a ``lax.scan`` never slices the pool.
 Triton switches to 64-bit pointer offsets by itself once the pool exceeds 4 GiB.
@@ -19,6 +22,7 @@ interpret mode, so CPU CI rejects tile configurations a GPU would fail to compil
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -26,6 +30,26 @@ from jax.experimental import pallas as pl
 MASKED = -1e30  # finite: a fully masked row keeps m finite and yields zeros, never NaN
 MMA_MIN = 16  # Triton's tl.dot minimum for M, N and K
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+# How float32 tiles go through tl.dot (16-bit tiles always use their native MMA):
+#   "tf32"    TF32 tensor cores, f32 accumulation: XLA's own default for f32 matmuls on GPU;
+#   "tf32x3"  three TF32 passes (split mantissas): close to f32, about 3x the MMA work;
+#   "ieee"    exact f32 built from FMAs: slowest, register-heavy, long to compile.
+F32_PRECISIONS = ("tf32", "tf32x3", "ieee")
+_FROM_CONFIG = {"highest": "ieee", "float32": "ieee", "F32_F32_F32": "ieee",
+                "high": "tf32x3", "TF32_TF32_F32_X3": "tf32x3"}
+_DOT_PRECISION = {"tf32": lax.Precision.DEFAULT, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                  "ieee": lax.Precision.HIGHEST}
+
+
+def resolve_f32_precision(precision: str | None) -> str:
+    """The f32 dot mode: ``precision`` itself, or (None) what jax_default_matmul_precision asks
+    for ("highest"/"float32" -> "ieee", "high" -> "tf32x3", anything else -> "tf32")."""
+    if precision is None:
+        return _FROM_CONFIG.get(jax.config.jax_default_matmul_precision or "", "tf32")
+    if precision not in F32_PRECISIONS:
+        raise ValueError(f"precision must be one of {F32_PRECISIONS} or None, got {precision!r}")
+    return precision
 
 
 def is_pow2(n: int) -> bool:
@@ -46,40 +70,40 @@ def check_knob(name: str, value, *, pow2: bool = False) -> None:
         raise ValueError(f"{name} must be a power of two (Triton tile), got {value}")
 
 
-def check_common(q, k_pages, v_pages, page_table, layer, *, sm_scale, soft_cap,
+def check_common(q, kv_pages, page_table, layer, *, sm_scale, soft_cap,
                  sliding_window) -> tuple[int, int, int, int, int]:
     """Static checks shared by both kernels; returns (L, K, P, S, D) with L = 1 for 4-D pages."""
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D, got shape {q.shape}")
-    if k_pages.ndim not in (4, 5):
-        raise ValueError(f"k_pages must be [K, P, S, D] or [L, K, P, S, D], got {k_pages.shape}")
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
-                         f"{k_pages.shape} {k_pages.dtype}")
+    if kv_pages.ndim not in (4, 5):
+        raise ValueError(f"kv_pages must be [K, P, S, 2D] or [L, K, P, S, 2D], got "
+                         f"{kv_pages.shape}")
     if q.dtype not in DTYPES:
         raise ValueError(f"q dtype must be one of float32/bfloat16/float16, got {q.dtype}")
-    if k_pages.dtype != q.dtype:
-        raise ValueError(f"k_pages dtype {k_pages.dtype} must equal q dtype {q.dtype}")
-    if k_pages.ndim == 5 and layer is None:
-        raise ValueError("layer is required with 5-D [L, K, P, S, D] pages")
-    if k_pages.ndim == 4 and layer is not None:
-        raise ValueError("layer is only meaningful with 5-D [L, K, P, S, D] pages")
+    if kv_pages.dtype != q.dtype:
+        raise ValueError(f"kv_pages dtype {kv_pages.dtype} must equal q dtype {q.dtype}")
+    if kv_pages.ndim == 5 and layer is None:
+        raise ValueError("layer is required with 5-D [L, K, P, S, 2D] pages")
+    if kv_pages.ndim == 4 and layer is not None:
+        raise ValueError("layer is only meaningful with 5-D [L, K, P, S, 2D] pages")
     if layer is not None and not isinstance(layer, int):
         if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
             raise ValueError(f"layer must be an int or an integer scalar, got {layer!r}")
-    n_layers = k_pages.shape[0] if k_pages.ndim == 5 else 1
-    k, p, s, d = k_pages.shape[-4:]
+    n_layers = kv_pages.shape[0] if kv_pages.ndim == 5 else 1
+    k, p, s, d2 = kv_pages.shape[-4:]
+    d = d2 // 2
     if isinstance(layer, int) and not 0 <= layer < n_layers:
         raise ValueError(f"layer {layer} out of range for {n_layers} layers")
     h = q.shape[1]
     if h % k:
-        raise ValueError(f"q heads ({h}) must be a multiple of k_pages kv heads ({k})")
-    if q.shape[2] != d:
-        raise ValueError(f"q head_dim ({q.shape[2]}) must equal k_pages head_dim ({d})")
+        raise ValueError(f"q heads ({h}) must be a multiple of kv_pages kv heads ({k})")
+    if d2 != 2 * q.shape[2]:
+        raise ValueError(f"kv_pages last dim ({d2}) must be 2 * q head_dim ({q.shape[2]}): keys "
+                         "and values side by side")
     if not is_pow2(d) or d < MMA_MIN:
-        raise ValueError(f"k_pages head_dim must be a power of two >= {MMA_MIN}, got {d}")
+        raise ValueError(f"head_dim must be a power of two >= {MMA_MIN}, got {d}")
     if not is_pow2(s):
-        raise ValueError(f"k_pages page_size must be a power of two, got {s}")
+        raise ValueError(f"kv_pages page_size must be a power of two, got {s}")
     if page_table.ndim != 2 or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table must be i32[B, W], got {page_table.dtype}{page_table.shape}")
     if not isinstance(sm_scale, (int, float)):
@@ -95,20 +119,20 @@ def check_lengths(name: str, x, n: int) -> None:
         raise ValueError(f"{name} must be i32[{n}], got {x.dtype}{x.shape}")
 
 
-def flatten_pool(k_pages, v_pages, page_table, layer, *, pad_cols: int):
-    """Pages as ``[F, S, D]`` rows and the page table as absolute rows of the (layer, head 0).
+def flatten_pool(kv_pages, page_table, layer, *, pad_cols: int):
+    """Pages as ``[F, S, 2D]`` rows and the page table as absolute rows of the (layer, head 0).
 
     Table entries are clamped to ``[0, P)`` so that stale or garbage ids in unused slots can never
     address memory outside the pool; their keys are masked by length anyway. ``pad_cols`` zero
     columns let a tile starting at any valid page read ``ppb`` ids without running off the row.
     """
-    *_, k, p, s, d = k_pages.shape
+    *_, k, p, s, d2 = kv_pages.shape
     table = jnp.clip(page_table, 0, p - 1)
     if layer is not None:
-        n_layers = k_pages.shape[0]
+        n_layers = kv_pages.shape[0]
         table = table + jnp.clip(jnp.asarray(layer, jnp.int32), 0, n_layers - 1) * (k * p)
     table = jnp.pad(table, ((0, 0), (0, pad_cols)))
-    return k_pages.reshape(-1, s, d), v_pages.reshape(-1, s, d), table
+    return kv_pages.reshape(-1, s, d2), table
 
 
 def whole(shape):
@@ -117,9 +141,9 @@ def whole(shape):
     return pl.BlockSpec(tuple(shape), lambda *_: zeros)
 
 
-def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k_ref, v_ref, *,
+def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, kv_ref, *,
                  page_size: int, pages_per_block: int, sm_scale: float, soft_cap,
-                 sliding_window, mma: bool):
+                 sliding_window, mma: bool, precision: str):
     """Online softmax of ``q_rd`` over pages ``[lo_page, hi_page)`` -> (acc f32[R, D], m, l).
 
     ``page_rows(p0)`` returns the pool rows (``[ppb]`` ints) of logical pages ``p0..p0+ppb``;
@@ -129,8 +153,7 @@ def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k
     rows, d = q_rd.shape
     n = pages_per_block * page_size
     f32 = jnp.float32
-    # f32 dots default to TF32 in the Triton lowering; HIGHEST keeps fp32 caches exact.
-    prec = lax.Precision.HIGHEST if q_rd.dtype == f32 else lax.Precision.DEFAULT
+    prec = _DOT_PRECISION[precision] if q_rd.dtype == f32 else lax.Precision.DEFAULT
     # hi_page also stops a tile that overhangs its split from counting the next split's keys.
     key_hi = jnp.minimum(kv_len, hi_page * page_size)
     lowest_key = None
@@ -141,8 +164,8 @@ def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k
         acc, m, l = carry
         p0 = lo_page + i * pages_per_block
         ids = page_rows(p0)
-        k_nd = k_ref[ids].reshape(n, d)
-        v_nd = v_ref[ids].reshape(n, d)
+        k_nd = kv_ref[ids, :, pl.ds(0, d)].reshape(n, d)
+        v_nd = kv_ref[ids, :, pl.ds(d, d)].reshape(n, d)
         k_pos = p0 * page_size + lax.iota(jnp.int32, n)
         key_ok = k_pos < key_hi
         mask = key_ok[None, :] & (k_pos[None, :] <= q_pos_r[:, None])
@@ -176,20 +199,6 @@ def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k
     n_iter = (jnp.maximum(hi_page - lo_page, 0) + pages_per_block - 1) // pages_per_block
     init = (jnp.zeros((rows, d), f32), jnp.full((rows,), MASKED, f32), jnp.zeros((rows,), f32))
     return lax.fori_loop(0, n_iter, body, init)
-
-
-def tile_pages(page_size: int, head_dim: int, rows: int, mma: bool, width: int) -> int:
-    """Default pages per tile: ~64 keys for D=128 on the MMA path (two [N, D] tiles per stage fit
-    shared memory with double buffering), and a register budget of rows*N*D <= 16K on the
-    broadcast path. Never fewer keys than the MMA minimum, never more pages than a row has."""
-    if mma:
-        keys = max(MMA_MIN, min(128, 8192 // head_dim))
-    else:
-        keys = max(1, min(128, 16384 // (rows * head_dim)))
-    ppb = min(max(1, keys // page_size), next_pow2(width))
-    if mma:
-        ppb = max(ppb, -(-MMA_MIN // page_size))
-    return ppb
 
 
 def pad_groups(x, k: int, g: int, rows: int):

@@ -37,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gpu_block_sizes
 from pallas_kernels.gpu_paged_common import (
-    MMA_MIN,
     attend_pages,
     check_common,
     check_knob,
@@ -46,16 +46,15 @@ from pallas_kernels.gpu_paged_common import (
     flatten_pool,
     next_pow2,
     pad_groups,
-    tile_pages,
+    resolve_f32_precision,
     whole,
 )
 
-_TARGET_ROWS = 64  # query rows per program (Q * Gp); to be tuned on hardware
 
-
-def _prefill_kernel(seq_ref, tok0_ref, nrows_ref, pos0_ref, kv_len_ref, table_ref, q_ref, k_ref,
-                    v_ref, o_ref, *, width: int, num_pages: int, page_size: int, block_q: int,
-                    pages_per_block: int, sm_scale: float, soft_cap, sliding_window):
+def _prefill_kernel(seq_ref, tok0_ref, nrows_ref, pos0_ref, kv_len_ref, table_ref, q_ref, kv_ref,
+                    o_ref, *, width: int, num_pages: int, page_size: int, block_q: int,
+                    pages_per_block: int, sm_scale: float, soft_cap, sliding_window,
+                    precision: str):
     i, h = pl.program_id(0), pl.program_id(1)
     nrows = nrows_ref[i]
 
@@ -77,8 +76,8 @@ def _prefill_kernel(seq_ref, tok0_ref, nrows_ref, pos0_ref, kv_len_ref, table_re
 
         acc, _, l = attend_pages(
             q_qgd.reshape(block_q * gp, d), q_pos, t_r < nrows, kv_len, lo, hi, page_rows,
-            k_ref, v_ref, page_size=page_size, pages_per_block=pages_per_block,
-            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, mma=True)
+            kv_ref, page_size=page_size, pages_per_block=pages_per_block, sm_scale=sm_scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, mma=True, precision=precision)
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row that saw no key -> 0, not NaN
         out_qgd = out.reshape(block_q, gp, d).astype(o_ref.dtype)
         keep = jnp.broadcast_to((lax.iota(jnp.int32, block_q) < nrows)[:, None, None],
@@ -105,39 +104,38 @@ def _work_list(kv_lens, cu_q_lens, num_seqs, *, num_tokens: int, block_q: int, n
     return seq, tok0, nrows, pos0, kv_lens[seq]
 
 
-def _prefill_call(work, table_bw, q_tkgd, k_fsd, v_fsd, *, width: int, num_pages: int,
-                  block_q: int, pages_per_block: int, sm_scale: float, soft_cap, sliding_window,
-                  interpret: bool):
+def _prefill_call(work, table_bw, q_tkgd, kv_fsd, *, width: int, num_pages: int, block_q: int,
+                  pages_per_block: int, sm_scale: float, soft_cap, sliding_window,
+                  precision: str, num_warps: int, num_stages: int, interpret: bool):
     """The pallas_call over the (NB, K) grid -> [T + Q, K, Gp, D] (unwritten rows undefined)."""
     t_pad, k, gp, d = q_tkgd.shape
-    _, s, _ = k_fsd.shape
+    _, s, _ = kv_fsd.shape
     nb = work[0].shape[0]
     kernel = functools.partial(
         _prefill_kernel, width=width, num_pages=num_pages, page_size=s, block_q=block_q,
         pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, precision=precision)
     per_head = pl.BlockSpec((t_pad, None, gp, d), lambda i, j: (0, j, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(nb, k),
         in_specs=[*(whole((nb,)) for _ in work), whole(table_bw.shape), per_head,
-                  whole(k_fsd.shape), whole(v_fsd.shape)],
+                  whole(kv_fsd.shape)],
         out_specs=per_head,
         out_shape=jax.ShapeDtypeStruct(q_tkgd.shape, q_tkgd.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*work, table_bw, q_tkgd, k_fsd, v_fsd)
+    )(*work, table_bw, q_tkgd, kv_fsd)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_q", "pages_per_block",
-                     "interpret"))
+                     "num_warps", "num_stages", "precision", "interpret"))
 def ragged_paged_attention_gpu(
     q,  # [T, H, D]  new query tokens of all sequences, concatenated
-    k_pages,  # [K, P, S, D], or [L, K, P, S, D] with `layer`
-    v_pages,  # same as k_pages
+    kv_pages,  # [K, P, S, 2D], or [L, K, P, S, 2D] with `layer` (keys, then values)
     page_table,  # i32[B, W]  logical page -> physical page of each sequence
     kv_lens,  # i32[B]  cached tokens per sequence, including this chunk
     cu_q_lens,  # i32[B + 1]  query token offsets of each sequence
@@ -149,6 +147,9 @@ def ragged_paged_attention_gpu(
     layer=None,  # int or traced i32[] selecting the layer of 5-D pages inside the kernel
     block_q: int | None = None,
     pages_per_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    precision: str | None = None,  # f32 dots: "tf32" | "tf32x3" | "ieee" (gpu_paged_common)
     interpret: bool = False,
 ):
     """Causal ragged attention of new tokens over paged K/V -> [T, H, D] in q.dtype.
@@ -156,7 +157,7 @@ def ragged_paged_attention_gpu(
     Semantics match ``ragged_paged_attention_reference``; ``interpret=True`` runs it on CPU.
     """
     _, n_kv, n_pages, page_size, d = check_common(
-        q, k_pages, v_pages, page_table, layer, sm_scale=sm_scale, soft_cap=soft_cap,
+        q, kv_pages, page_table, layer, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window)
     t, h, _ = q.shape
     b, width = page_table.shape
@@ -165,29 +166,31 @@ def ragged_paged_attention_gpu(
     if jnp.shape(num_seqs) not in ((), (1,)) or not jnp.issubdtype(
             jnp.result_type(num_seqs), jnp.integer):
         raise ValueError(f"num_seqs must be an int or an i32[] scalar, got {num_seqs!r}")
-    check_knob("block_q", block_q, pow2=True)
-    check_knob("pages_per_block", pages_per_block, pow2=True)
+    for name, value in (("block_q", block_q), ("pages_per_block", pages_per_block),
+                        ("num_warps", num_warps)):
+        check_knob(name, value, pow2=True)
+    check_knob("num_stages", num_stages)
+    precision = resolve_f32_precision(precision)
 
     g = h // n_kv
     gp = next_pow2(g)
-    bq = block_q or max(-(-MMA_MIN // gp), min(max(1, _TARGET_ROWS // gp), next_pow2(t)))
-    if bq * gp < MMA_MIN:
-        raise ValueError(f"block_q * padded group ({bq} * {gp}) must be >= {MMA_MIN} (tl.dot)")
-    ppb = pages_per_block or tile_pages(page_size, d, bq * gp, True, width)
-    if ppb * page_size < MMA_MIN:
-        raise ValueError(f"pages_per_block * page_size must be >= {MMA_MIN} (tl.dot), "
-                         f"got {ppb} * {page_size}")
+    bq = block_q or gpu_block_sizes.prefill_block_q(g, t)
+    tile = gpu_block_sizes.prefill_tile(bq, g, d, page_size, width, jnp.dtype(q.dtype),
+                                        pages_per_block=pages_per_block, num_warps=num_warps,
+                                        num_stages=num_stages)
+    ppb = tile.pages_per_block
 
     num_seqs = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(()), 0, b)
     num_blocks = -(-t // bq) + min(b, t)
     work = _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens=t, block_q=bq,
                       num_blocks=num_blocks)
-    k_fsd, v_fsd, table = flatten_pool(k_pages, v_pages, page_table, layer, pad_cols=ppb)
+    kv_fsd, table = flatten_pool(kv_pages, page_table, layer, pad_cols=ppb)
     q_tkgd = jnp.pad(pad_groups(q, n_kv, g, gp), ((0, bq), (0, 0), (0, 0), (0, 0)))
     out = _prefill_call(
-        work, table, q_tkgd, k_fsd, v_fsd, width=width, num_pages=n_pages, block_q=bq,
+        work, table, q_tkgd, kv_fsd, width=width, num_pages=n_pages, block_q=bq,
         pages_per_block=ppb, sm_scale=float(sm_scale), soft_cap=soft_cap,
-        sliding_window=sliding_window, interpret=interpret)
+        sliding_window=sliding_window, precision=precision, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, interpret=interpret)
     out_thd = out[:t, :, :g].reshape(t, h, d)
     # Padding tokens were never written (their memory is undefined): select, don't multiply.
     tok = jnp.arange(t)

@@ -4,6 +4,9 @@ Axes: T query tokens (all sequences, concatenated), B sequences, H query heads, 
 G = H // K queries per kv head, D head_dim, P pages, S page_size, W pages per sequence row,
 Q = max_q_len (new tokens of one sequence), L = W * S key positions per sequence.
 
+Pages hold K and V side by side: ``kv_pages[k, p, s, :D]`` is the key and ``kv_pages[k, p, s,
+D:]`` the value of slot s of page p for kv head k (see ``layout.py`` for why).
+
 Semantics (shared by every kernel): sequence b owns queries ``q[cu_q_lens[b]:cu_q_lens[b+1]]``
 and has ``kv_lens[b]`` cached tokens *including* those new ones. Its query i sits at position
 ``kv_lens[b] - q_len + i`` and attends causally to keys ``0..position`` (and, with a sliding
@@ -21,8 +24,7 @@ _MASKED = -1e30  # finite, so a fully masked row gives zeros, never NaN
 
 def ragged_paged_attention_reference(
     q,  # [T, H, D]
-    k_pages,  # [K, P, S, D]
-    v_pages,  # [K, P, S, D]
+    kv_pages,  # [K, P, S, 2D]  keys in [..., :D], values in [..., D:]
     page_table,  # i32[B, W]
     kv_lens,  # i32[B]
     cu_q_lens,  # i32[B + 1]
@@ -39,8 +41,10 @@ def ragged_paged_attention_reference(
     ``B x max_q_len x W*S``. It defaults to T, always correct but wasteful for decode.
     """
     t, h, d = q.shape
-    k, _, s, _ = k_pages.shape
+    k, _, s, d2 = kv_pages.shape
     b, w = page_table.shape
+    if d2 != 2 * d:
+        raise ValueError(f"kv_pages last dim ({d2}) must be 2 * q head_dim ({2 * d})")
     if h % k:
         raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({k})")
     g = h // k
@@ -58,8 +62,8 @@ def ragged_paged_attention_reference(
     q_bqkgd = q_bqhd.reshape(b, qmax, k, g, d)
 
     # Gather each sequence's keys/values from its pages: [B, K, L, D].
-    k_bkld = k_pages[:, page_table].reshape(k, b, w * s, d).transpose(1, 0, 2, 3)
-    v_bkld = v_pages[:, page_table].reshape(k, b, w * s, d).transpose(1, 0, 2, 3)
+    kv_bkld = kv_pages[:, page_table].reshape(k, b, w * s, 2 * d).transpose(1, 0, 2, 3)
+    k_bkld, v_bkld = kv_bkld[..., :d], kv_bkld[..., d:]
 
     logits = jnp.einsum(
         "bqkgd,bkld->bkgql", q_bqkgd.astype(jnp.float32), k_bkld.astype(jnp.float32)
@@ -97,8 +101,7 @@ def ragged_paged_attention_reference(
 
 def paged_decode_attention_reference(
     q,  # [B, H, D]  one new token per sequence
-    k_pages,  # [K, P, S, D]
-    v_pages,  # [K, P, S, D]
+    kv_pages,  # [K, P, S, 2D]
     page_table,  # i32[B, W]
     lengths,  # i32[B]  cached tokens including the new one
     *,
@@ -111,7 +114,7 @@ def paged_decode_attention_reference(
     cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
     # A padding row has length 0: its query position is -1, so every key is masked -> zeros.
     return ragged_paged_attention_reference(
-        q, k_pages, v_pages, page_table, lengths, cu_q_lens, jnp.int32(b),
+        q, kv_pages, page_table, lengths, cu_q_lens, jnp.int32(b),
         sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=1,
     )
 

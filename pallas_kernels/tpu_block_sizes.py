@@ -17,7 +17,23 @@ import math
 import jax.numpy as jnp
 
 TARGET_ROWS = 128  # R: fills the MXU's 128-row systolic input on every TPU generation
-TARGET_KEYS = 512  # N * S: keys per kv block; 4 double-buffered [512, 128] bf16 tiles = 512 KiB
+TARGET_KEYS = 512  # N * S: keys per kv block; double-buffered [512, 2D] bf16, D = 128: 512 KiB
+LANES = 128
+SMEM_BUDGET = 512 * 1024  # of the 1 MiB SMEM of v5e/v6e, leaving room for Mosaic's own use
+
+
+def q_lanes(head_dim: int) -> int:
+    """E, the lanes of a q row: D when K and V are lane-aligned halves of a page row (D a
+    multiple of 128), else 2D with q zero-padded (the kernel docstring explains)."""
+    return head_dim if head_dim % LANES == 0 else 2 * head_dim
+
+
+def smem_bytes(max_seqs: int, table_window: int) -> int:
+    """SMEM the kernel asks for: meta, kv_lens, cu_q_lens (scalar prefetch) and two page-table
+    windows of ``table_window`` entries; each array rounded up to 512 bytes (an estimate on the
+    safe side). It grows with the batch, not with the page table's width."""
+    words = [2, max_seqs, max_seqs + 1, 2 * table_window]
+    return sum(-(-4 * n // 512) * 512 for n in words)
 
 
 def sublane_tile(dtype) -> int:
@@ -27,7 +43,7 @@ def sublane_tile(dtype) -> int:
 
 def default_pages_per_block(page_size: int, pages_per_row: int) -> int:
     """N: enough pages for ~TARGET_KEYS keys, never more than a page-table row holds."""
-    return max(1, min(pages_per_row, TARGET_KEYS // page_size))
+    return max(1, min(pages_per_row, TARGET_KEYS // page_size, 128))
 
 
 def _min_tokens_per_block(group: int, dtype) -> int:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.api import paged_decode_attention
+from pallas_kernels import pack_kv, paged_decode_attention
 
 # HBM bandwidth of common accelerators (GB/s), for the "% of peak" column; --peak-gbs overrides.
 PEAK_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "TPU v5 lite": 819, "TPU v5e": 819,
@@ -41,20 +41,21 @@ def _inputs(batch, context, *, kv_heads, group, head_dim, page_size, dtype, seed
     k = jax.random.normal(kk, shape, dtype)
     v = jax.random.normal(kv, shape, dtype)
     lengths = jnp.full((batch,), context, jnp.int32)
-    return q, k, v, jnp.asarray(table), lengths
+    # jaxkv reads K and V packed side by side; JAX's shipped kernels read them separately.
+    return q, k, v, pack_kv(k, v), jnp.asarray(table), lengths
 
 
-def _implementations(platform, interpret):
-    impls = {"jaxkv": lambda q, k, v, t, n, s: paged_decode_attention(
-        q, k, v, t, n, sm_scale=s, backend="gpu" if platform != "tpu" else "tpu",
-        interpret=interpret)}
-    impls["xla-reference"] = lambda q, k, v, t, n, s: paged_decode_attention(
-        q, k, v, t, n, sm_scale=s, backend="reference")
+def _implementations(platform, interpret, knobs):
+    impls = {"jaxkv": lambda q, k, v, kv, t, n, s: paged_decode_attention(
+        q, kv, t, n, sm_scale=s, backend="gpu" if platform != "tpu" else "tpu",
+        interpret=interpret, **knobs)}
+    impls["xla-reference"] = lambda q, k, v, kv, t, n, s: paged_decode_attention(
+        q, kv, t, n, sm_scale=s, backend="reference")
     if platform == "gpu" or interpret:
         from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
         # The shipped kernel does not scale queries: pre-scale q so all compute the same thing.
-        def shipped_gpu(q, k, v, t, n, s):
+        def shipped_gpu(q, k, v, kv, t, n, s):
             # Its splits must divide the pages per sequence, and its blocks each split.
             splits = math.gcd(16, t.shape[1])
             block = math.gcd(8, t.shape[1] // splits)
@@ -66,13 +67,13 @@ def _implementations(platform, interpret):
     elif platform == "tpu":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as shipped
 
-        impls["jax-shipped"] = lambda q, k, v, t, n, s: shipped(
+        impls["jax-shipped"] = lambda q, k, v, kv, t, n, s: shipped(
             q * jnp.asarray(s, q.dtype), k, v, n, t, pages_per_compute_block=8)
     return impls
 
 
 def _time(fn, args, repeats):
-    f = jax.jit(fn, static_argnums=(5,))
+    f = jax.jit(fn, static_argnums=(6,))
     out = f(*args)
     out.block_until_ready()
     best = float("inf")
@@ -95,6 +96,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-kv-gib", type=float, default=40.0,
                    help="skip configurations whose K/V pool exceeds this")
     p.add_argument("--peak-gbs", type=float, default=None, help="device HBM bandwidth, GB/s")
+    p.add_argument("--pages-per-block", type=int, default=None,
+                   help="jaxkv kernel knob (default: gpu/tpu_block_sizes)")
+    p.add_argument("--num-warps", type=int, default=None, help="jaxkv GPU kernel knob")
     p.add_argument("--out", default="bench_kernels.png")
     p.add_argument("--smoke", action="store_true",
                    help="on CPU: tiny shapes in interpret mode, to check plumbing only")
@@ -112,7 +116,9 @@ def main(argv=None) -> int:
         args.batch, args.context, args.repeats = [2], [64], 1
         args.kv_heads, args.group, args.head_dim = 2, 4, 64
     peak = args.peak_gbs or next((v for k, v in PEAK_GBS.items() if k in device), None)
-    impls = _implementations(platform, interpret)
+    knobs = {k: v for k, v in (("pages_per_block", args.pages_per_block),
+                               ("num_warps", args.num_warps)) if v is not None}
+    impls = _implementations(platform, interpret, knobs)
     dtype = jnp.bfloat16
     rows = []
     for batch in args.batch:
@@ -143,6 +149,7 @@ def main(argv=None) -> int:
     print(f"\nreproduce: python scripts/bench_kernels.py --batch {' '.join(map(str, args.batch))}"
           f" --context {' '.join(map(str, args.context))} --kv-heads {args.kv_heads} "
           f"--group {args.group} --head-dim {args.head_dim} --page-size {args.page_size}"
+          + "".join(f" --{k.replace('_', '-')} {v}" for k, v in knobs.items())
           + (" --smoke" if args.smoke else ""))
     return 0
 

@@ -45,7 +45,7 @@ def measure(args) -> list[dict]:
                               max_num_seqs=args.rows, max_model_len=1024,
                               max_num_batched_tokens=512)
         weights = max(bytes_per_device(engine.model.params))
-        kv_pages = max(bytes_per_device(engine.state.k_pages)) * 2
+        kv_pages = max(bytes_per_device(engine.state.kv_pages))
         per_token = kv_pages // (engine.num_pages * engine.page_size)
         budget = int(args.hbm_gib * 2**30 * 0.9) - weights
         sp = jaxkv.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -4,7 +4,7 @@ same greedy tokens as the reference inside `jaxkv.generate` (prefill, chunks and
 import pytest
 
 import jaxkv
-from jaxkv.attention import check_attention_impl
+from jaxkv.attention import check_attention_impl, kernel_for
 
 GREEDY = jaxkv.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -29,3 +29,35 @@ def test_unknown_and_unavailable_impls_are_named():
         check_attention_impl("flash")
     with pytest.raises(ValueError, match="needs a GPU or TPU"):
         check_attention_impl("pallas")  # the test machine is a CPU
+
+
+def test_explicit_platform_kernels_are_chosen_on_any_machine():
+    """"pallas-gpu"/"pallas-tpu" pick that platform's compiled kernel even on this CPU machine
+    (for ahead-of-time compiles), where "auto" picks the reference."""
+    assert kernel_for("pallas-gpu") == "gpu" and kernel_for("pallas-tpu") == "tpu"
+    assert kernel_for("auto") == "reference"
+
+
+def test_public_api_is_exported():
+    import pallas_kernels
+
+    for name in pallas_kernels.__all__:
+        assert callable(getattr(pallas_kernels, name)) or name == "BACKENDS", name
+    from pallas_kernels import paged_decode_attention, ragged_paged_attention  # noqa: F401
+
+
+def test_pack_and_split_kv_round_trip():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import pack_kv, split_kv
+
+    k = jnp.arange(2 * 3 * 4 * 5, dtype=jnp.float32).reshape(2, 3, 4, 5)
+    kv = pack_kv(k, -k)
+    assert kv.shape == (2, 3, 4, 10)
+    np.testing.assert_array_equal(np.asarray(kv[..., :5]), np.asarray(k))
+    back_k, back_v = split_kv(kv)
+    np.testing.assert_array_equal(np.asarray(back_v), -np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(back_k), np.asarray(k))
+    with pytest.raises(ValueError, match="must match"):
+        pack_kv(k, k[..., :4])

@@ -223,10 +223,10 @@ BAD = [
                  "init_state: num_pages must be a positive int, got 0", id="init_state num_pages"),
     pytest.param(lambda ctx: _state_step(ctx, init_state(
         dataclasses.replace(ctx.model.config, num_kv_heads=4), 8, 16, 4, 8)),
-        KVStateError, r"PagedKVState.k_pages", id="state of another model"),
+        KVStateError, r"PagedKVState.kv_pages", id="state of another model"),
     pytest.param(lambda ctx: _state_step(ctx, init_state(ctx.model.config, 8, 16, 4, 8,
                                                          jnp.bfloat16)),
-                 KVStateError, r"PagedKVState.k_pages: dtype bfloat16 does not match",
+                 KVStateError, r"PagedKVState.kv_pages: dtype bfloat16 does not match",
                  id="state of the wrong dtype"),
     pytest.param(lambda ctx: _state_step(ctx, init_state(ctx.model.config, 8, 16, 4, 8).replace(
         lengths=jnp.zeros(3, jnp.int32))), KVStateError, r"PagedKVState.lengths",

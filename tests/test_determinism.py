@@ -92,6 +92,6 @@ def test_logits_are_bitwise_identical_for_identical_steps(tiny_model):
     for _ in range(2):
         state = init_state(c, 8, 16, 4, 8)
         logits, state = steps.prefill(tiny_model.params, state, batch)
-        results.append((np.asarray(logits), np.asarray(state.k_pages)))
+        results.append((np.asarray(logits), np.asarray(state.kv_pages)))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])

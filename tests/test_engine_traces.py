@@ -113,7 +113,7 @@ def _run_heavy_recycling(model, **kw):
                 outs[out.request_id] = out.outputs[0].token_ids
         engine.check()
         free = [p for p in range(engine.num_pages) if engine.allocator.refcount(p) == 0]
-        k = np.asarray(engine.state.k_pages)
+        k = np.asarray(engine.state.kv_pages)
         poisoned += int(np.isnan(k[:, :, free]).any()) if free else 0
     return outs, engine.stats(), poisoned
 

@@ -6,6 +6,7 @@ handful of compiled shapes covers many cases. Tests reuse shapes so that jit cac
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from pallas_kernels.gpu_paged_attention import (
     paged_decode_attention_gpu,
     ragged_paged_attention_gpu,
 )
+from pallas_kernels.layout import split_kv
 from pallas_kernels.reference import (
     paged_decode_attention_reference,
     ragged_paged_attention_reference,
@@ -25,8 +27,11 @@ from pallas_kernels.reference import (
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 SCALE = 0.3
-decode = functools.partial(paged_decode_attention_gpu, sm_scale=SCALE, interpret=True)
-ragged = functools.partial(ragged_paged_attention_gpu, sm_scale=SCALE, interpret=True)
+# On a GPU (scripts/device_check.sh) the same tests run the compiled kernels, with
+# JAX_DEFAULT_MATMUL_PRECISION=highest so that f32 means exact f32 on both sides.
+INTERPRET = os.environ.get("JAXKV_KERNELS_ON_DEVICE") != "1"
+decode = functools.partial(paged_decode_attention_gpu, sm_scale=SCALE, interpret=INTERPRET)
+ragged = functools.partial(ragged_paged_attention_gpu, sm_scale=SCALE, interpret=INTERPRET)
 decode_ref = jax.jit(paged_decode_attention_reference,
                      static_argnames=("sm_scale", "soft_cap", "sliding_window"))
 ragged_ref = jax.jit(ragged_paged_attention_reference,
@@ -38,7 +43,8 @@ CONFIGS = [(8, 2, 1, 64), (16, 1, 4, 128), (32, 1, 8, 32), (64, 2, 3, 16)]
 
 
 def _pool(rng, kv_lens, *, page_size, kv_heads, head_dim, width, dtype=jnp.float32, layers=0):
-    """Random pages and a scattered page table; unused slots hold stale or out-of-range ids."""
+    """Random packed K|V pages and a scattered page table; unused slots hold stale or
+    out-of-range ids."""
     needed = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(needed) + 3
     perm = rng.permutation(num_pages)
@@ -47,19 +53,17 @@ def _pool(rng, kv_lens, *, page_size, kv_heads, head_dim, width, dtype=jnp.float
     for row, n in enumerate(needed):
         table[row, :n] = perm[at:at + n]
         at += n
-    shape = (*((layers,) if layers else ()), kv_heads, num_pages, page_size, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape), dtype)
-    v = jnp.asarray(rng.standard_normal(shape), dtype)
-    return k, v, jnp.asarray(table)
+    shape = (*((layers,) if layers else ()), kv_heads, num_pages, page_size, 2 * head_dim)
+    return jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(table)
 
 
 def _decode_case(rng, cfg, dtype=jnp.float32, layers=0):
     s, kh, g, d = cfg
     lens = [0, 1, s, s + 1, 3 * s + 5, 2]  # row 0 is padding
-    k, v, table = _pool(rng, lens, page_size=s, kv_heads=kh, head_dim=d, width=4, dtype=dtype,
-                        layers=layers)
+    kv, table = _pool(rng, lens, page_size=s, kv_heads=kh, head_dim=d, width=4, dtype=dtype,
+                      layers=layers)
     q = jnp.asarray(rng.standard_normal((len(lens), kh * g, d)), dtype)
-    return q, k, v, table, jnp.asarray(lens, jnp.int32)
+    return q, kv, table, jnp.asarray(lens, jnp.int32)
 
 
 def _ragged_case(rng, cfg, dtype=jnp.float32, layers=0):
@@ -69,12 +73,12 @@ def _ragged_case(rng, cfg, dtype=jnp.float32, layers=0):
     q_lens = [7, 1, s, s + 1, 0, 3, 20]
     prefix = [0, 4, 0, 0, 2, s + 2, 2 * s + 3]
     kv_lens = [a + b for a, b in zip(q_lens, prefix, strict=True)] + [5, 0]
-    k, v, table = _pool(rng, kv_lens, page_size=s, kv_heads=kh, head_dim=d, width=5, dtype=dtype,
-                        layers=layers)
+    kv, table = _pool(rng, kv_lens, page_size=s, kv_heads=kh, head_dim=d, width=5, dtype=dtype,
+                      layers=layers)
     t = sum(q_lens)
     q = jnp.asarray(rng.standard_normal((t + 3, kh * g, d)), dtype)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens), [t, t]]), jnp.int32)
-    return q, k, v, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(len(q_lens))
+    return q, kv, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(len(q_lens))
 
 
 def _assert_close(got, want, dtype):
@@ -84,88 +88,88 @@ def _assert_close(got, want, dtype):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_decode_matches_reference(cfg):
-    q, k, v, table, lens = _decode_case(np.random.default_rng(0), cfg)
-    got = decode(q, k, v, table, lens)
+    q, kv, table, lens = _decode_case(np.random.default_rng(0), cfg)
+    got = decode(q, kv, table, lens)
     assert got.shape == q.shape and got.dtype == q.dtype
-    _assert_close(got, decode_ref(q, k, v, table, lens, sm_scale=SCALE), jnp.float32)
+    _assert_close(got, decode_ref(q, kv, table, lens, sm_scale=SCALE), jnp.float32)
     np.testing.assert_array_equal(np.asarray(got[0]), 0)  # padding row: finite zeros
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_ragged_matches_reference(cfg):
-    q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(1), cfg)
-    got = ragged(q, k, v, table, kv_lens, cu, n)
+    q, kv, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(1), cfg)
+    got = ragged(q, kv, table, kv_lens, cu, n)
     assert got.shape == q.shape and got.dtype == q.dtype
-    _assert_close(got, ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE), jnp.float32)
+    _assert_close(got, ragged_ref(q, kv, table, kv_lens, cu, n, sm_scale=SCALE), jnp.float32)
     np.testing.assert_array_equal(np.asarray(got[-3:]), 0)  # padding tokens: finite zeros
 
 
 def test_bf16():
     cfg = (16, 2, 4, 64)
-    q, k, v, table, lens = _decode_case(np.random.default_rng(2), cfg, jnp.bfloat16)
-    got = decode(q, k, v, table, lens)
+    q, kv, table, lens = _decode_case(np.random.default_rng(2), cfg, jnp.bfloat16)
+    got = decode(q, kv, table, lens)
     assert got.dtype == jnp.bfloat16
-    _assert_close(got, decode_ref(q, k, v, table, lens, sm_scale=SCALE), jnp.bfloat16)
-    q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(3), cfg, jnp.bfloat16)
-    got = ragged(q, k, v, table, kv_lens, cu, n)
-    _assert_close(got, ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE), jnp.bfloat16)
+    _assert_close(got, decode_ref(q, kv, table, lens, sm_scale=SCALE), jnp.bfloat16)
+    q, kv, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(3), cfg, jnp.bfloat16)
+    got = ragged(q, kv, table, kv_lens, cu, n)
+    _assert_close(got, ragged_ref(q, kv, table, kv_lens, cu, n, sm_scale=SCALE), jnp.bfloat16)
 
 
 def test_soft_cap_and_sliding_window():
     cfg, opts = CONFIGS[1], dict(soft_cap=2.0, sliding_window=21)  # a window across pages
-    q, k, v, table, lens = _decode_case(np.random.default_rng(4), cfg)
-    _assert_close(decode(q, k, v, table, lens, num_splits=1, **opts),
-           decode_ref(q, k, v, table, lens, sm_scale=SCALE, **opts), jnp.float32)
-    q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(5), cfg)
+    q, kv, table, lens = _decode_case(np.random.default_rng(4), cfg)
+    _assert_close(decode(q, kv, table, lens, num_splits=1, **opts),
+           decode_ref(q, kv, table, lens, sm_scale=SCALE, **opts), jnp.float32)
+    q, kv, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(5), cfg)
     # block_q = 4: several query blocks per sequence, each with its own page range.
-    _assert_close(ragged(q, k, v, table, kv_lens, cu, n, block_q=4, **opts),
-           ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE, **opts), jnp.float32)
+    _assert_close(ragged(q, kv, table, kv_lens, cu, n, block_q=4, **opts),
+           ragged_ref(q, kv, table, kv_lens, cu, n, sm_scale=SCALE, **opts), jnp.float32)
 
 
 def test_decode_split_count_does_not_change_the_result():
     """One page per split (unaligned window starts inside splits) vs a single split."""
     cfg, opts = CONFIGS[2], dict(sliding_window=45)
-    q, k, v, table, lens = _decode_case(np.random.default_rng(9), cfg)
-    want = decode_ref(q, k, v, table, lens, sm_scale=SCALE, **opts)
-    _assert_close(decode(q, k, v, table, lens, num_splits=4, pages_per_block=1, **opts), want,
+    q, kv, table, lens = _decode_case(np.random.default_rng(9), cfg)
+    want = decode_ref(q, kv, table, lens, sm_scale=SCALE, **opts)
+    _assert_close(decode(q, kv, table, lens, num_splits=4, pages_per_block=1, **opts), want,
            jnp.float32)
-    _assert_close(decode(q, k, v, table, lens, num_splits=1, pages_per_block=1, **opts), want,
+    _assert_close(decode(q, kv, table, lens, num_splits=1, pages_per_block=1, **opts), want,
            jnp.float32)
 
 
 def test_layer_of_5d_pages_equals_4d_slice():
     """A traced layer inside lax.scan reads the same pages as slicing the layer out first."""
     cfg = CONFIGS[0]
-    q, k, v, table, lens = _decode_case(np.random.default_rng(6), cfg, layers=3)
+    q, kv, table, lens = _decode_case(np.random.default_rng(6), cfg, layers=3)
 
     def step(_, layer):
-        return None, decode(q, k, v, table, lens, layer=layer)
+        return None, decode(q, kv, table, lens, layer=layer)
 
     _, per_layer = jax.lax.scan(step, None, jnp.arange(3, dtype=jnp.int32))
     for layer in range(3):
-        _assert_close(per_layer[layer], decode(q, k[layer], v[layer], table, lens), jnp.float32)
+        _assert_close(per_layer[layer], decode(q, kv[layer], table, lens), jnp.float32)
 
-    q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(7), cfg, layers=2)
-    _assert_close(ragged(q, k, v, table, kv_lens, cu, n, layer=jnp.int32(1)),
-           ragged(q, k[1], v[1], table, kv_lens, cu, n), jnp.float32)
+    q, kv, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(7), cfg, layers=2)
+    _assert_close(ragged(q, kv, table, kv_lens, cu, n, layer=jnp.int32(1)),
+           ragged(q, kv[1], table, kv_lens, cu, n), jnp.float32)
 
 
 def test_freed_pages_poisoned_with_nan_do_not_leak():
     cfg = CONFIGS[0]
-    q, k, v, table, lens = _decode_case(np.random.default_rng(0), cfg)
-    used = np.zeros(k.shape[1], bool)
+    q, kv, table, lens = _decode_case(np.random.default_rng(0), cfg)
+    used = np.zeros(kv.shape[1], bool)
     for row, n in enumerate(np.asarray(lens)):
         used[np.asarray(table)[row, :-(-n // cfg[0])]] = True
-    k_nan, v_nan = (jnp.where(jnp.asarray(used)[None, :, None, None], x, jnp.nan) for x in (k, v))
-    _assert_close(decode(q, k_nan, v_nan, table, lens), decode(q, k, v, table, lens), jnp.float32)
+    kv_nan = jnp.where(jnp.asarray(used)[None, :, None, None], kv, jnp.nan)
+    _assert_close(decode(q, kv_nan, table, lens), decode(q, kv, table, lens), jnp.float32)
 
-    q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(1), cfg)
-    used = np.zeros(k.shape[1], bool)
+    q, kv, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(1), cfg)
+    used = np.zeros(kv.shape[1], bool)
     for row, length in enumerate(np.asarray(kv_lens)[:int(n)]):
         used[np.asarray(table)[row, :-(-length // cfg[0])]] = True
-    k_nan, v_nan = (jnp.where(jnp.asarray(used)[None, :, None, None], x, jnp.nan) for x in (k, v))
-    got = ragged(q, k_nan, v_nan, table, kv_lens, cu, n)
-    _assert_close(got, ragged(q, k, v, table, kv_lens, cu, n), jnp.float32)
+    kv_nan = jnp.where(jnp.asarray(used)[None, :, None, None], kv, jnp.nan)
+    got = ragged(q, kv_nan, table, kv_lens, cu, n)
+    _assert_close(got, ragged(q, kv, table, kv_lens, cu, n), jnp.float32)
     assert np.isfinite(np.asarray(got)).all()
 
 
@@ -173,9 +177,10 @@ def test_ragged_matches_dense_rebuild():
     """Gather each sequence's pages into contiguous K/V and run plain causal attention (numpy)."""
     cfg = CONFIGS[2]
     s, kh, g, d = cfg
-    q, k, v, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(8), cfg)
-    got = np.asarray(ragged(q, k, v, table, kv_lens, cu, n))
-    q, k, v, table = (np.asarray(x, np.float64) for x in (q, k, v, table))
+    q, kv, table, kv_lens, cu, n = _ragged_case(np.random.default_rng(8), cfg)
+    got = np.asarray(ragged(q, kv, table, kv_lens, cu, n))
+    k, v = split_kv(np.asarray(kv, np.float64))
+    q, table = np.asarray(q, np.float64), np.asarray(table)
     for b in range(int(n)):
         lo, hi, kv = int(cu[b]), int(cu[b + 1]), int(kv_lens[b])
         if hi == lo:
@@ -202,17 +207,17 @@ def test_random_ragged_batches(data):
     kv_lens = [ql + data.draw(st.integers(0, width * s - 8)) for ql in q_lens]
     kv_lens += [data.draw(st.integers(0, 9)) for _ in range(4 - nseq)]  # padding rows
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    k, v, table = _pool(rng, kv_lens, page_size=s, kv_heads=kh, head_dim=d, width=width)
-    k, v = (x[:, :40] if x.shape[1] >= 40 else jnp.pad(x, ((0, 0), (0, 40 - x.shape[1]),
-                                                          (0, 0), (0, 0))) for x in (k, v))
+    kv, table = _pool(rng, kv_lens, page_size=s, kv_heads=kh, head_dim=d, width=width)
+    kv = kv[:, :40] if kv.shape[1] >= 40 else jnp.pad(kv, ((0, 0), (0, 40 - kv.shape[1]),
+                                                           (0, 0), (0, 0)))
     table = jnp.minimum(table, 39)
     q = jnp.asarray(rng.standard_normal((t, kh * g, d)), jnp.float32)
     cu = np.cumsum([0, *q_lens])
     cu = jnp.asarray(np.concatenate([cu, [cu[-1]] * (4 - nseq)]), jnp.int32)
     window = data.draw(st.sampled_from([None, 5]))
-    got = ragged(q, k, v, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(nseq),
+    got = ragged(q, kv, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(nseq),
                  sliding_window=window)
-    want = ragged_ref(q, k, v, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(nseq),
+    want = ragged_ref(q, kv, table, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(nseq),
                       sm_scale=SCALE, sliding_window=window)
     _assert_close(got, want, jnp.float32)
     assert np.isfinite(np.asarray(got)).all()
@@ -227,12 +232,12 @@ def test_lowers_to_triton_without_a_gpu(group, head_dim, page_size, dtype, layer
     """Lowering for CUDA on a CPU host runs JAX's Pallas->Triton rules (power-of-two tensors,
     supported primitives); Triton's own compiler passes still need a GPU."""
     spec = jax.ShapeDtypeStruct
-    pages = spec(((layers,) if layers else ()) + (2, 50, page_size, head_dim), dtype)
+    pages = spec(((layers,) if layers else ()) + (2, 50, page_size, 2 * head_dim), dtype)
     more = dict(opts, layer=jnp.int32(1)) if layers else opts
     cases = [
-        (paged_decode_attention_gpu, [spec((3, 2 * group, head_dim), dtype), pages, pages,
+        (paged_decode_attention_gpu, [spec((3, 2 * group, head_dim), dtype), pages,
                                       spec((3, 9), jnp.int32), spec((3,), jnp.int32)]),
-        (ragged_paged_attention_gpu, [spec((37, 2 * group, head_dim), dtype), pages, pages,
+        (ragged_paged_attention_gpu, [spec((37, 2 * group, head_dim), dtype), pages,
                                       spec((3, 9), jnp.int32), spec((3,), jnp.int32),
                                       spec((4,), jnp.int32), spec((), jnp.int32)]),
     ]
@@ -244,19 +249,21 @@ def test_lowers_to_triton_without_a_gpu(group, head_dim, page_size, dtype, layer
 
 @pytest.mark.parametrize("change, match", [
     (dict(q=jnp.zeros((6, 3, 64))), "kv heads"),
-    (dict(k_pages=jnp.zeros((2, 9, 6, 64))), "v_pages"),
-    (dict(k_pages=jnp.zeros((2, 9, 6, 64)), v_pages=jnp.zeros((2, 9, 6, 64))), "page_size"),
-    (dict(q=jnp.zeros((6, 2, 64), jnp.bfloat16)), "k_pages dtype"),
+    (dict(kv_pages=jnp.zeros((2, 9, 8, 64))), "kv_pages last dim"),
+    (dict(kv_pages=jnp.zeros((2, 9, 6, 128))), "page_size"),
+    (dict(q=jnp.zeros((6, 2, 64), jnp.bfloat16)), "kv_pages dtype"),
     (dict(lengths=jnp.zeros((6,), jnp.int16)), "lengths"),
     (dict(page_table=jnp.zeros((6, 4), jnp.float32)), "page_table"),
     (dict(layer=0), "layer"),
     (dict(pages_per_block=3), "pages_per_block"),
+    (dict(pages_per_block=16), "does not fit"),  # 128 keys x 64 dims: registers would spill
     (dict(num_splits=0), "num_splits"),
+    (dict(num_warps=3), "num_warps"),
+    (dict(precision="fp32"), "precision"),
 ])
 def test_decode_static_checks_name_the_argument(change, match):
-    args = dict(q=jnp.zeros((6, 2, 64)), k_pages=jnp.zeros((2, 9, 8, 64)),
-                v_pages=jnp.zeros((2, 9, 8, 64)), page_table=jnp.zeros((6, 4), jnp.int32),
-                lengths=jnp.zeros((6,), jnp.int32))
+    args = dict(q=jnp.zeros((6, 2, 64)), kv_pages=jnp.zeros((2, 9, 8, 128)),
+                page_table=jnp.zeros((6, 4), jnp.int32), lengths=jnp.zeros((6,), jnp.int32))
     args.update(change)
     with pytest.raises(ValueError, match=match):
         decode(**args)
@@ -268,11 +275,11 @@ def test_decode_static_checks_name_the_argument(change, match):
     (dict(num_seqs=jnp.zeros((2,), jnp.int32)), "num_seqs"),
     (dict(block_q=6), "block_q"),
     (dict(block_q=2), "block_q"),  # 2 tokens x 1 head < the 16-row tl.dot minimum
-    (dict(k_pages=jnp.zeros((1, 2, 9, 8, 64)), v_pages=jnp.zeros((1, 2, 9, 8, 64))), "layer"),
+    (dict(kv_pages=jnp.zeros((1, 2, 9, 8, 128))), "layer"),
 ])
 def test_ragged_static_checks_name_the_argument(change, match):
-    args = dict(q=jnp.zeros((5, 2, 64)), k_pages=jnp.zeros((2, 9, 8, 64)),
-                v_pages=jnp.zeros((2, 9, 8, 64)), page_table=jnp.zeros((3, 4), jnp.int32),
+    args = dict(q=jnp.zeros((5, 2, 64)), kv_pages=jnp.zeros((2, 9, 8, 128)),
+                page_table=jnp.zeros((3, 4), jnp.int32),
                 kv_lens=jnp.zeros((3,), jnp.int32), cu_q_lens=jnp.zeros((4,), jnp.int32),
                 num_seqs=jnp.int32(3))
     args.update(change)
@@ -289,9 +296,31 @@ def test_sweep(page_size, kv_heads, group, head_dim, dtype):
     cfg = (page_size, kv_heads, group, head_dim)
     rng = np.random.default_rng(page_size * group + head_dim)
     opts = dict(soft_cap=5.0, sliding_window=2 * page_size + 3) if group == 2 else {}
-    q, k, v, table, lens = _decode_case(rng, cfg, dtype)
-    _assert_close(decode(q, k, v, table, lens, **opts),
-           decode_ref(q, k, v, table, lens, sm_scale=SCALE, **opts), dtype)
-    q, k, v, table, kv_lens, cu, n = _ragged_case(rng, cfg, dtype)
-    _assert_close(ragged(q, k, v, table, kv_lens, cu, n, **opts),
-           ragged_ref(q, k, v, table, kv_lens, cu, n, sm_scale=SCALE, **opts), dtype)
+    q, kv, table, lens = _decode_case(rng, cfg, dtype)
+    _assert_close(decode(q, kv, table, lens, **opts),
+           decode_ref(q, kv, table, lens, sm_scale=SCALE, **opts), dtype)
+    q, kv, table, kv_lens, cu, n = _ragged_case(rng, cfg, dtype)
+    _assert_close(ragged(q, kv, table, kv_lens, cu, n, **opts),
+           ragged_ref(q, kv, table, kv_lens, cu, n, sm_scale=SCALE, **opts), dtype)
+
+
+def test_f32_precision_follows_jax_default_matmul_precision():
+    """TF32 by default, as XLA's own f32 matmuls on GPU; exact f32 when jax is asked for it."""
+    from pallas_kernels.gpu_paged_common import resolve_f32_precision
+
+    assert resolve_f32_precision(None) == "tf32"
+    with jax.default_matmul_precision("highest"):
+        assert resolve_f32_precision(None) == "ieee"
+    with jax.default_matmul_precision("high"):
+        assert resolve_f32_precision(None) == "tf32x3"
+    assert resolve_f32_precision("ieee") == "ieee"
+    with pytest.raises(ValueError, match="precision"):
+        resolve_f32_precision("fp32")
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3", "ieee"])
+def test_every_f32_precision_runs(precision):
+    """Interpret mode computes in f32 whatever the mode: this checks the plumbing of each."""
+    q, kv, table, lens = _decode_case(np.random.default_rng(10), CONFIGS[1])
+    _assert_close(decode(q, kv, table, lens, precision=precision),
+                  decode_ref(q, kv, table, lens, sm_scale=SCALE), jnp.float32)

@@ -58,8 +58,7 @@ def run_interpreted(fn, *args, params=RACES, **kwargs):
 @dataclasses.dataclass
 class Batch:
     q: jax.Array  # [T, H, D]
-    k_pages: jax.Array  # [K, P, S, D] or [L, K, P, S, D]
-    v_pages: jax.Array
+    kv_pages: jax.Array  # [K, P, S, 2D] or [L, K, P, S, 2D]
     page_table: jax.Array  # i32[B, W]
     kv_lens: jax.Array  # i32[B]
     cu_q_lens: jax.Array  # i32[B + 1]
@@ -68,8 +67,8 @@ class Batch:
 
     @property
     def args(self):
-        return (self.q, self.k_pages, self.v_pages, self.page_table, self.kv_lens,
-                self.cu_q_lens, self.num_seqs)
+        return (self.q, self.kv_pages, self.page_table, self.kv_lens, self.cu_q_lens,
+                self.num_seqs)
 
 
 def make_batch(seed, seqs, *, page_size, kv_heads, group, head_dim, dtype=jnp.float32,
@@ -89,13 +88,12 @@ def make_batch(seed, seqs, *, page_size, kv_heads, group, head_dim, dtype=jnp.fl
     pad = b - len(seqs)
     kv_lens = np.concatenate([kv, np.full(pad, page_size + 1, np.int32)])
     cu = np.concatenate([[0], np.cumsum(q_lens), np.full(pad, q_lens.sum())]).astype(np.int32)
-    pages_shape = (kv_heads, num_pages, page_size, head_dim)
+    pages_shape = (kv_heads, num_pages, page_size, 2 * head_dim)
     if layers is not None:
         pages_shape = (layers,) + pages_shape
     return Batch(
         q=jnp.asarray(rng.standard_normal((t, kv_heads * group, head_dim)), dtype),
-        k_pages=jnp.asarray(rng.standard_normal(pages_shape), dtype),
-        v_pages=jnp.asarray(rng.standard_normal(pages_shape), dtype),
+        kv_pages=jnp.asarray(rng.standard_normal(pages_shape), dtype),
         page_table=jnp.asarray(rng.permutation(num_pages)[: b * w].reshape(b, w), jnp.int32),
         kv_lens=jnp.asarray(kv_lens), cu_q_lens=jnp.asarray(cu),
         num_seqs=jnp.int32(len(seqs)), num_real=int(q_lens.sum()))
@@ -145,7 +143,7 @@ def test_bf16_matches_reference_on_two_cores():
 ])
 def test_soft_cap_and_sliding_window(page_size, soft_cap, sliding_window):
     """Page-table entries of pages wholly before every window of their sequence point out of
-    range: the interpreter raises on an out-of-bounds DMA, so they are provably never fetched."""
+    range (clamped into the pool by the kernel; their keys are outside every window)."""
     batch = make_batch(2, mixed_seqs(page_size), page_size=page_size, kv_heads=1, group=4,
                        head_dim=64)
     pt = np.asarray(batch.page_table).copy()
@@ -154,7 +152,7 @@ def test_soft_cap_and_sliding_window(page_size, soft_cap, sliding_window):
     skipped = (np.arange(pt.shape[1]) + 1) * page_size <= first_key[:, None]
     assert skipped[: int(batch.num_seqs)].any()
     pt[skipped] = 10_000
-    args = (*batch.args[:3], jnp.asarray(pt), *batch.args[4:])
+    args = (*batch.args[:2], jnp.asarray(pt), *batch.args[3:])
     kw = dict(sm_scale=0.5, soft_cap=soft_cap, sliding_window=sliding_window)
     out = run_interpreted(ragged_paged_attention_tpu, *args, num_q_per_block=4,
                           pages_per_block=2, **kw)
@@ -163,14 +161,14 @@ def test_soft_cap_and_sliding_window(page_size, soft_cap, sliding_window):
 
 def test_garbage_outside_owned_keys_never_leaks():
     """NaN in pages nobody owns, past kv_len and in padding rows' pages; page-table entries
-    past a sequence's pages point far out of range (the interpreter raises on such a read);
+    past a sequence's pages point far out of range (clamped: the last page, which is NaN);
     the first sequence starts at token 2, so tokens 0 and 1 belong to nobody."""
     s = 8
     batch = make_batch(3, mixed_seqs(s), page_size=s, kv_heads=1, group=2, head_dim=64)
     pt = np.asarray(batch.page_table).copy()
     kv = np.asarray(batch.kv_lens)
-    owned = np.zeros(batch.k_pages.shape[1], bool)
-    poisoned = [np.asarray(batch.k_pages).copy(), np.asarray(batch.v_pages).copy()]
+    owned = np.zeros(batch.kv_pages.shape[1], bool)
+    poisoned = np.asarray(batch.kv_pages).copy()
     for row in range(pt.shape[0]):
         n_keys = int(kv[row]) if row < int(batch.num_seqs) else 0
         for col in range(pt.shape[1]):
@@ -178,12 +176,11 @@ def test_garbage_outside_owned_keys_never_leaks():
                 pt[row, col] = 10_000 + row
                 continue
             owned[pt[row, col]] = True
-            for pages in poisoned:
-                pages[:, pt[row, col], max(0, n_keys - col * s):] = np.nan
-    for pages in poisoned:
-        pages[:, ~owned] = np.nan
-    args = (batch.q, jnp.asarray(poisoned[0]), jnp.asarray(poisoned[1]), jnp.asarray(pt),
-            batch.kv_lens, batch.cu_q_lens + 2, batch.num_seqs)
+            poisoned[:, pt[row, col], max(0, n_keys - col * s):] = np.nan
+    poisoned[:, ~owned] = np.nan
+    assert not owned[-1]  # so a clamped id reads a NaN page
+    args = (batch.q, jnp.asarray(poisoned), jnp.asarray(pt), batch.kv_lens,
+            batch.cu_q_lens + 2, batch.num_seqs)
     out = run_interpreted(ragged_paged_attention_tpu, *args, sm_scale=0.125,
                           num_q_per_block=4, pages_per_block=2)
     want = ragged_paged_attention_reference(*args, sm_scale=0.125)
@@ -192,22 +189,42 @@ def test_garbage_outside_owned_keys_never_leaks():
     np.testing.assert_array_equal(np.asarray(out[:2]), 0.0)
 
 
+def test_bad_page_ids_and_layer_are_clamped_never_out_of_bounds():
+    """Ids far outside the pool inside a live sequence's range, and a traced layer past the
+    last: without the kernel's clamps these DMAs leave the array, which the interpreter
+    reports as an error. Clamped, the call completes (the values are garbage in, finite out)."""
+    batch = make_batch(6, mixed_seqs(8), page_size=8, kv_heads=1, group=2, head_dim=64,
+                       layers=2)
+    pt = np.asarray(batch.page_table).copy()
+    pt[:, 0] = [10**6, -7, 2**30, 5, 10**6, -1, 3][: pt.shape[0]]
+    q, kv5, _, *rest = batch.args
+
+    @jax.jit
+    def run(layer):
+        return ragged_paged_attention_tpu(q, kv5, jnp.asarray(pt), *rest, layer=layer,
+                                          sm_scale=0.125, num_q_per_block=4, pages_per_block=2)
+
+    out = run_interpreted(run, jnp.int32(7))
+    assert np.isfinite(np.asarray(out)).all()
+    # A clamped layer reads the last layer: the same result as asking for it.
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(run_interpreted(run, jnp.int32(1))))
+
+
 def test_layer_axis_matches_4d_slice_inside_scan(capfd):
     batch = make_batch(4, mixed_seqs(8), page_size=8, kv_heads=2, group=2, head_dim=64,
                        layers=2)
-    q, k5, v5, *rest = batch.args
+    q, kv5, *rest = batch.args
     knobs = dict(sm_scale=0.125, num_q_per_block=4, pages_per_block=2)
 
-    def all_layers(k5, v5):  # the way jaxkv calls it: a traced layer, the pool never sliced
+    def all_layers(kv5):  # the way jaxkv calls it: a traced layer, the pool never sliced
         def step(carry, layer):
-            return carry, ragged_paged_attention_tpu(q, k5, v5, *rest, layer=layer, **knobs)
+            return carry, ragged_paged_attention_tpu(q, kv5, *rest, layer=layer, **knobs)
 
         return jax.lax.scan(step, 0, jnp.arange(2, dtype=jnp.int32))[1]
 
-    scanned = run_interpreted(jax.jit(all_layers), k5, v5)
+    scanned = run_interpreted(jax.jit(all_layers), kv5)
     for layer in range(2):
-        sliced = run_interpreted(ragged_paged_attention_tpu, q, k5[layer], v5[layer], *rest,
-                                 **knobs)
+        sliced = run_interpreted(ragged_paged_attention_tpu, q, kv5[layer], *rest, **knobs)
         np.testing.assert_array_equal(np.asarray(scanned[layer]), np.asarray(sliced))
     # run_interpreted sees only the last kernel run's verdict; every run prints its races.
     assert "RACE DETECTED" not in capfd.readouterr().out
@@ -219,10 +236,10 @@ def test_decode_wrapper_matches_reference_decode():
     batch = make_batch(5, [(1, n) for n in (1, s, s + 1, 3 * s + 2, 5)], page_size=s,
                        kv_heads=2, group=4, head_dim=64, num_rows=b, layers=2)
     lengths = batch.kv_lens.at[b - 1].set(0)  # a padding row: length 0 -> zeros
-    q, k5, v5 = batch.q[:b], batch.k_pages, batch.v_pages
-    out = run_interpreted(paged_decode_attention_tpu, q, k5, v5, batch.page_table, lengths,
+    q, kv5 = batch.q[:b], batch.kv_pages
+    out = run_interpreted(paged_decode_attention_tpu, q, kv5, batch.page_table, lengths,
                           sm_scale=0.125, soft_cap=3.0, layer=1)
-    want = paged_decode_attention_reference(q, k5[1], v5[1], batch.page_table, lengths,
+    want = paged_decode_attention_reference(q, kv5[1], batch.page_table, lengths,
                                             sm_scale=0.125, soft_cap=3.0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(out[b - 1]), 0.0)
@@ -253,7 +270,7 @@ def test_random_ragged_batches(seed_and_seqs):
 
 def _valid_args():
     f32 = jnp.zeros
-    return dict(q=f32((4, 4, 16)), k_pages=f32((2, 4, 8, 16)), v_pages=f32((2, 4, 8, 16)),
+    return dict(q=f32((4, 4, 16)), kv_pages=f32((2, 4, 8, 32)),
                 page_table=jnp.zeros((2, 2), jnp.int32), kv_lens=jnp.zeros(2, jnp.int32),
                 cu_q_lens=jnp.zeros(3, jnp.int32), num_seqs=jnp.int32(1))
 
@@ -261,16 +278,13 @@ def _valid_args():
 @pytest.mark.parametrize("name,change", [
     ("q", dict(q=jnp.zeros((4, 64)))),
     ("q", dict(q=jnp.zeros((4, 3, 16)))),  # 3 heads over 2 kv heads
-    ("k_pages", dict(k_pages=jnp.zeros((4, 8, 16)))),
-    ("k_pages", dict(k_pages=jnp.zeros((2, 4, 8, 32)), v_pages=jnp.zeros((2, 4, 8, 32)))),
-    ("k_pages", dict(k_pages=jnp.zeros((2, 4, 12, 16)), v_pages=jnp.zeros((2, 4, 12, 16)))),
-    ("k_pages", dict(q=jnp.zeros((4, 4, 16), jnp.bfloat16),
-                     k_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16),
-                     v_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16))),  # 8 < bf16 tile 16
-    ("k_pages", dict(k_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16),
-                     v_pages=jnp.zeros((2, 4, 8, 16), jnp.bfloat16))),  # dtype != q's
-    ("v_pages", dict(v_pages=jnp.zeros((2, 5, 8, 16)))),
-    ("layer", dict(k_pages=jnp.zeros((1, 2, 4, 8, 16)), v_pages=jnp.zeros((1, 2, 4, 8, 16)))),
+    ("kv_pages", dict(kv_pages=jnp.zeros((4, 8, 32)))),
+    ("kv_pages", dict(kv_pages=jnp.zeros((2, 4, 8, 16)))),  # not 2 * head_dim
+    ("kv_pages", dict(kv_pages=jnp.zeros((2, 4, 12, 32)))),
+    ("kv_pages", dict(q=jnp.zeros((4, 4, 16), jnp.bfloat16),
+                      kv_pages=jnp.zeros((2, 4, 8, 32), jnp.bfloat16))),  # 8 < bf16 tile 16
+    ("kv_pages", dict(kv_pages=jnp.zeros((2, 4, 8, 32), jnp.bfloat16))),  # dtype != q's
+    ("layer", dict(kv_pages=jnp.zeros((1, 2, 4, 8, 32)))),
     ("layer", dict(layer=0)),
     ("page_table", dict(page_table=jnp.zeros((2, 2)))),
     ("kv_lens", dict(kv_lens=jnp.zeros(3, jnp.int32))),
@@ -280,6 +294,10 @@ def _valid_args():
     ("sliding_window", dict(sliding_window=0)),
     ("num_q_per_block", dict(num_q_per_block=1.5)),
     ("pages_per_block", dict(pages_per_block=0)),
+    ("pages_per_block", dict(pages_per_block=129)),  # one 256-entry table chunk per block
+    ("page_table", dict(page_table=jnp.zeros((70_000, 2), jnp.int32),
+                        kv_lens=jnp.zeros(70_000, jnp.int32),
+                        cu_q_lens=jnp.zeros(70_001, jnp.int32))),  # SMEM: kv_lens, cu_q_lens
 ])
 def test_static_validation_names_the_argument(name, change):
     kw = {**_valid_args(), "sm_scale": 1.0, **change}
@@ -290,13 +308,13 @@ def test_static_validation_names_the_argument(name, change):
 @pytest.mark.parametrize("name,change", [
     ("q", dict(q=jnp.zeros((3, 4, 16)))),
     ("lengths", dict(lengths=jnp.zeros(2, jnp.float32))),
-    ("k_pages", dict(k_pages=jnp.zeros((4, 8, 16)))),
+    ("kv_pages", dict(kv_pages=jnp.zeros((4, 8, 32)))),
     ("sliding_window", dict(sliding_window=-3)),
 ])
 def test_decode_validation_names_the_argument(name, change):
     args = _valid_args()
-    kw = dict(q=args["q"][:2], k_pages=args["k_pages"], v_pages=args["v_pages"],
-              page_table=args["page_table"], lengths=args["kv_lens"], sm_scale=1.0)
+    kw = dict(q=args["q"][:2], kv_pages=args["kv_pages"], page_table=args["page_table"],
+              lengths=args["kv_lens"], sm_scale=1.0)
     with pytest.raises(ValueError, match=rf"^{name}:"):
         paged_decode_attention_tpu(**{**kw, **change})
 

@@ -10,16 +10,16 @@ from jaxkv.kv import KVStateError, PagedKVState, init_state, write_kv
 
 def test_init_state_shapes(tiny_config):
     s = init_state(tiny_config, num_pages=10, page_size=4, max_seqs=3, max_pages_per_seq=5)
-    assert s.k_pages.shape == (2, 2, 10, 4, 16)
+    assert s.kv_pages.shape == (2, 2, 10, 4, 32)  # head_dim 16: keys and values side by side
+    assert s.head_dim == 16
     assert (s.num_pages, s.page_size, s.max_seqs, s.max_pages_per_seq) == (10, 4, 3, 5)
     assert s.page_table.dtype == jnp.int32 and s.lengths.shape == (3,)
     s.validate_for(tiny_config)
 
 
 @pytest.mark.parametrize("field, change", [
-    ("k_pages", lambda s: dict(k_pages=s.k_pages[0])),
-    ("v_pages", lambda s: dict(v_pages=s.v_pages[:, :, :-1])),
-    ("v_pages", lambda s: dict(v_pages=s.v_pages.astype(jnp.bfloat16))),
+    ("kv_pages", lambda s: dict(kv_pages=s.kv_pages[0])),
+    ("kv_pages", lambda s: dict(kv_pages=s.kv_pages[..., :-1])),
     ("page_table", lambda s: dict(page_table=s.page_table.astype(jnp.float32))),
     ("page_table", lambda s: dict(page_table=s.page_table[0])),
     ("lengths", lambda s: dict(lengths=s.lengths[:-1])),
@@ -27,8 +27,7 @@ def test_init_state_shapes(tiny_config):
 ])
 def test_wrong_field_is_named(tiny_config, field, change):
     s = init_state(tiny_config, 4, 4, 3, 2)
-    fields = dict(k_pages=s.k_pages, v_pages=s.v_pages, page_table=s.page_table,
-                  lengths=s.lengths)
+    fields = dict(kv_pages=s.kv_pages, page_table=s.page_table, lengths=s.lengths)
     fields.update(change(s))
     with pytest.raises(KVStateError, match=f"PagedKVState.{field}"):
         PagedKVState(**fields)
@@ -39,7 +38,7 @@ def test_state_for_another_model_is_rejected(tiny_config):
 
     other = dataclasses.replace(tiny_config, num_kv_heads=4)
     s = init_state(other, 4, 4, 2, 2)
-    with pytest.raises(KVStateError, match="k_pages"):
+    with pytest.raises(KVStateError, match="kv_pages"):
         s.validate_for(tiny_config)
 
 
@@ -62,12 +61,14 @@ def test_state_is_a_pytree_through_jit(tiny_config):
 
 
 def test_write_kv_places_tokens_and_drops_padding():
-    pages = jnp.zeros((2, 3, 5, 4, 2))  # L K P S D
-    new = jnp.arange(3 * 3 * 2, dtype=jnp.float32).reshape(3, 3, 2) + 1  # T K D
+    pages = jnp.zeros((2, 3, 5, 4, 4))  # L K P S 2D, D = 2
+    k = jnp.arange(3 * 3 * 2, dtype=jnp.float32).reshape(3, 3, 2) + 1  # T K D
+    v = -k
     page_t = jnp.array([2, 0, 5])  # the last token is padding (page index == P)
     offset_t = jnp.array([1, 3, 0])
-    out = np.asarray(write_kv(pages, 1, new, page_t, offset_t))
-    np.testing.assert_array_equal(out[1, :, 2, 1], np.asarray(new[0]))
-    np.testing.assert_array_equal(out[1, :, 0, 3], np.asarray(new[1]))
+    out = np.asarray(write_kv(pages, 1, k, v, page_t, offset_t))
+    np.testing.assert_array_equal(out[1, :, 2, 1, :2], np.asarray(k[0]))  # keys first
+    np.testing.assert_array_equal(out[1, :, 2, 1, 2:], np.asarray(v[0]))  # then values
+    np.testing.assert_array_equal(out[1, :, 0, 3], np.concatenate([k[1], v[1]], axis=-1))
     assert out[0].sum() == 0  # other layers untouched
-    assert np.count_nonzero(out) == 2 * 3 * 2  # padding wrote nothing
+    assert np.count_nonzero(out) == 2 * 3 * 2 * 2  # padding wrote nothing

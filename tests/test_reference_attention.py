@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels.layout import pack_kv
 from pallas_kernels.reference import (
     dense_causal_attention,
     paged_decode_attention_reference,
@@ -57,14 +58,19 @@ def _case(rng, *, kv_lens, q_lens, heads=4, kv_heads=2, d=8, page_size=4, extra_
     return q, k_pages, v_pages, table, lens, cu, np.int32(b), k_dense, v_dense
 
 
+def _arrays(q, k_pages, v_pages, *rest):
+    """Device arrays for the reference: q, packed K|V pages, then the rest unchanged."""
+    return (jnp.asarray(q), pack_kv(jnp.asarray(k_pages), jnp.asarray(v_pages)),
+            *map(jnp.asarray, rest))
+
+
 @pytest.mark.parametrize("soft_cap, window", [(None, None), (5.0, None), (None, 3)])
 def test_ragged_matches_naive(soft_cap, window):
     rng = np.random.default_rng(0)
     kv_lens, q_lens = [1, 4, 5, 11, 9], [1, 4, 2, 1, 9]  # a page, a page + 1, chunks, decode
     q, kp, vp, table, lens, cu, n, kd, vd = _case(rng, kv_lens=kv_lens, q_lens=q_lens)
     got = ragged_paged_attention_reference(
-        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), jnp.asarray(lens),
-        jnp.asarray(cu), jnp.asarray(n), sm_scale=0.3, soft_cap=soft_cap,
+        *_arrays(q, kp, vp, table, lens, cu, n), sm_scale=0.3, soft_cap=soft_cap,
         sliding_window=window, max_q_len=16)
     want = _naive(q, kd, vd, kv_lens, q_lens, sm_scale=0.3, soft_cap=soft_cap, window=window)
     t = sum(q_lens)
@@ -77,8 +83,8 @@ def test_decode_matches_ragged():
     kv_lens = [3, 8, 13]
     q, kp, vp, table, lens, cu, n, kd, vd = _case(rng, kv_lens=kv_lens, q_lens=[1, 1, 1],
                                                   pad_tokens=1)
-    got = paged_decode_attention_reference(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp),
-                                           jnp.asarray(table), jnp.asarray(lens), sm_scale=0.5)
+    q_, kv, table_, lens_ = _arrays(q, kp, vp, table, lens)
+    got = paged_decode_attention_reference(q_, kv, table_, lens_, sm_scale=0.5)
     want = _naive(q, kd, vd, kv_lens, [1, 1, 1], sm_scale=0.5)
     np.testing.assert_allclose(np.asarray(got)[:3], want[:3], atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(got)[3], np.zeros_like(q[3]))  # length-0 row
@@ -111,8 +117,7 @@ def test_random_ragged_batches(data):
     q, kp, vp, table, lens, cu, n, kd, vd = _case(
         rng, kv_lens=kv_lens, q_lens=q_lens, heads=2 * group, kv_heads=2, page_size=page_size)
     got = ragged_paged_attention_reference(
-        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), jnp.asarray(lens),
-        jnp.asarray(cu), jnp.asarray(n), sm_scale=0.25, max_q_len=max(q_lens))
+        *_arrays(q, kp, vp, table, lens, cu, n), sm_scale=0.25, max_q_len=max(q_lens))
     want = _naive(q, kd, vd, kv_lens, q_lens, sm_scale=0.25)
     t = sum(q_lens)
     np.testing.assert_allclose(np.asarray(got)[:t], want[:t], atol=1e-5, rtol=1e-5)
@@ -124,8 +129,7 @@ def test_nan_in_freed_pages_is_never_read():
     kv_lens, q_lens = [5, 2], [2, 1]
     q, kp, vp, table, lens, cu, n, kd, vd = _case(rng, kv_lens=kv_lens, q_lens=q_lens)
     clean = ragged_paged_attention_reference(
-        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), jnp.asarray(lens),
-        jnp.asarray(cu), jnp.asarray(n), sm_scale=0.3)
+        *_arrays(q, kp, vp, table, lens, cu, n), sm_scale=0.3)
     used = {int(p) for b, kv in enumerate(kv_lens) for p in table[b, : -(-kv // 4)]}
     for page in range(kp.shape[1]):
         if page not in used:  # a freed page, possibly still named by a stale table slot
@@ -133,6 +137,5 @@ def test_nan_in_freed_pages_is_never_read():
     kp[:, table[0, 1], 1:], vp[:, table[0, 1], 1:] = np.nan, np.nan  # past seq 0's length
     table[1, 1] = [p for p in range(kp.shape[1]) if p not in used][0]  # stale slot -> freed
     dirty = ragged_paged_attention_reference(
-        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), jnp.asarray(lens),
-        jnp.asarray(cu), jnp.asarray(n), sm_scale=0.3)
+        *_arrays(q, kp, vp, table, lens, cu, n), sm_scale=0.3)
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))

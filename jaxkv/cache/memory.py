@@ -107,6 +107,8 @@ def _preset(name, L, E, F, H, K, D, V, tied=False, bias=False) -> ModelShape:
 
 # Values copied from the published config.json files.
 PRESETS: dict[str, ModelShape] = {s.name: s for s in [
+    _preset("llama-3.2-1b", 16, 2048, 8192, 32, 8, 64, 128256, tied=True),
+    _preset("llama-3.2-3b", 28, 3072, 8192, 24, 8, 128, 128256, tied=True),
     _preset("llama-2-7b", 32, 4096, 11008, 32, 32, 128, 32000),
     _preset("llama-2-13b", 40, 5120, 13824, 40, 40, 128, 32000),
     _preset("llama-2-70b", 80, 8192, 28672, 64, 8, 128, 32000),

@@ -1,6 +1,6 @@
 """Copying whole KV pages on device: prefix reuse of a partly matched page, copy-on-write.
 
-Axes: L layers, K kv heads, P pages, S page_size, D head_dim, N copies.
+Axes: L layers, K kv heads, P pages, S page_size, D head_dim, N copies (pages are [L, K, P, S, 2D]).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def copy_pages(state: PagedKVState, src, dst) -> PagedKVState:
         moved = pages_lkpsd.at[:, :, src].get(mode="fill", fill_value=0)
         return pages_lkpsd.at[:, :, dst].set(moved, mode="drop")
 
-    return state.replace(k_pages=copy(state.k_pages), v_pages=copy(state.v_pages))
+    return state.replace(kv_pages=copy(state.kv_pages))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -36,7 +36,7 @@ def fill_pages(state: PagedKVState, pages, value) -> PagedKVState:
     def fill(pages_lkpsd):
         return pages_lkpsd.at[:, :, pages].set(jnp.asarray(value, pages_lkpsd.dtype), mode="drop")
 
-    return state.replace(k_pages=fill(state.k_pages), v_pages=fill(state.v_pages))
+    return state.replace(kv_pages=fill(state.kv_pages))
 
 
 def fill_pages_padded(state: PagedKVState, pages, value) -> PagedKVState:

@@ -31,35 +31,30 @@ def _step(graphdef, impl: str, decode: bool, mesh, params, state: PagedKVState,
     c = model.config
     _check_state(state, model, batch)  # at trace time: a new shape or dtype retraces
 
-    def attend(q, k, v, k_pages, v_pages, layer, write_pages, write_offsets, page_table,
-               kv_lens, cu_q_lens, num_seqs):
-        k_pages = write_kv(k_pages, layer, k, write_pages, write_offsets)
-        v_pages = write_kv(v_pages, layer, v, write_pages, write_offsets)
+    def attend(q, k, v, kv_pages, layer, write_pages, write_offsets, page_table, kv_lens,
+               cu_q_lens, num_seqs):
+        kv_pages = write_kv(kv_pages, layer, k, v, write_pages, write_offsets)
         out = paged_attention(
-            q, k_pages, v_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
+            q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
             decode=decode, sm_scale=c.sm_scale, sliding_window=c.sliding_window,
             max_q_len=batch.max_q_len, impl=impl,
         )
-        return out, k_pages, v_pages
+        return out, kv_pages
 
     if mesh is not None:  # each device: its heads, its kv heads' pages (no communication)
         attend = sharded_attention(attend, mesh)
 
-    def attention(layer, q, k, v, carry):
-        out, k_pages, v_pages = attend(q, k, v, *carry, layer, batch.write_pages,
-                                       batch.write_offsets, batch.page_table, batch.kv_lens,
-                                       batch.cu_q_lens, batch.num_seqs)
-        return out, (k_pages, v_pages)
+    def attention(layer, q, k, v, kv_pages):
+        return attend(q, k, v, kv_pages, layer, batch.write_pages, batch.write_offsets,
+                      batch.page_table, batch.kv_lens, batch.cu_q_lens, batch.num_seqs)
 
-    hidden, (k_pages, v_pages) = model(batch.tokens, batch.positions, attention,
-                                       (state.k_pages, state.v_pages))
+    hidden, kv_pages = model(batch.tokens, batch.positions, attention, state.kv_pages)
     last = jnp.maximum(batch.cu_q_lens[1:] - 1, 0)
     logits = model.logits(hidden[last])
     rows = jnp.zeros((batch.page_table.shape[0], state.max_pages_per_seq), jnp.int32)
     rows = rows.at[:, : batch.page_table.shape[1]].set(batch.page_table)
     new_state = state.replace(
-        k_pages=k_pages,
-        v_pages=v_pages,
+        kv_pages=kv_pages,
         page_table=state.page_table.at[batch.slots].set(rows, mode="drop"),
         lengths=state.lengths.at[batch.slots].set(batch.kv_lens, mode="drop"),
     )
@@ -72,8 +67,8 @@ def _check_state(state: PagedKVState, model, batch: StepBatch) -> None:
     """Raises KVStateError if `state` cannot hold this model's KV for this batch."""
     state.validate()
     state.validate_for(model.config)
-    if state.k_pages.dtype != model.dtype:
-        raise KVStateError(f"PagedKVState.k_pages: dtype {state.k_pages.dtype} does not match "
+    if state.kv_pages.dtype != model.dtype:
+        raise KVStateError(f"PagedKVState.kv_pages: dtype {state.kv_pages.dtype} does not match "
                            f"the model's compute dtype {jnp.dtype(model.dtype)}")
     if batch.page_table.shape[1] > state.max_pages_per_seq:
         raise KVStateError(f"PagedKVState.page_table: {state.max_pages_per_seq} pages per "

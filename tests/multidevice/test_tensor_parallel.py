@@ -63,7 +63,7 @@ def test_greedy_tokens_equal_one_device(model, one_device, tp, dp):
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == one_device
     engines = llm.engine.replicas if dp > 1 else [llm.engine]
-    used = {d for e in engines for d in e.state.k_pages.sharding.device_set}
+    used = {d for e in engines for d in e.state.kv_pages.sharding.device_set}
     assert len(used) == tp * dp  # each replica on its own devices
     if dp > 1:  # a second round follows the cached prefixes to the replicas holding them
         assert llm.engine.routed_by_prefix == 0 and llm.engine.routed_by_load == len(PROMPTS)
@@ -95,15 +95,15 @@ def test_each_device_holds_its_share(model, tp):
     assert len(per_device) == tp
     assert all(b == (total - replicated) // tp + replicated for b in per_device)
     assert replicated < 0.01 * total  # only the norm scales
-    kv = bytes_per_device(state.k_pages)
-    assert kv == [state.k_pages.nbytes // tp] * tp
-    assert spec(state.k_pages) == (None, "tp", None, None, None)
-    assert state.k_pages.addressable_shards[0].data.shape[1] == c.num_kv_heads // tp
+    kv = bytes_per_device(state.kv_pages)
+    assert kv == [state.kv_pages.nbytes // tp] * tp
+    assert spec(state.kv_pages) == (None, "tp", None, None, None)
+    assert state.kv_pages.addressable_shards[0].data.shape[1] == c.num_kv_heads // tp
     # A step keeps the layout (so the donated buffers are reused in place).
     engine.add_request("a", prompt_token_ids=PROMPTS[0], sampling_params=GREEDY)
     engine.step()
-    assert spec(engine.state.k_pages) == (None, "tp", None, None, None)
-    assert bytes_per_device(engine.state.k_pages) == kv
+    assert spec(engine.state.kv_pages) == (None, "tp", None, None, None)
+    assert bytes_per_device(engine.state.kv_pages) == kv
 
 
 def test_prefix_caching_and_preemption_under_tp2(model):
