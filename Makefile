@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # pull a multi-GB CUDA build just to run the tests.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-slow lint bench-cache train-tiny clean
+.PHONY: demo test test-slow test-aot test-aot-full lint bench-cache train-tiny clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,26 @@ test: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
+
+# The `aot` extra goes into a folder of its own, on PYTHONPATH only for the compile checks: with
+# libtpu and the CUDA plugin in the venv, every jax process on a CPU machine would try (noisily)
+# to start a TPU and a GPU.
+AOT_SITE := $(VENV)/aot-site
+$(VENV)/.installed-aot: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q --no-deps --upgrade --target $(AOT_SITE) \
+		$$($(PY) tests/tools/extra.py aot --skip jax)
+	touch $@
+
+# Compile every kernel and the engine steps for TPU v5e/v6e and for H100/H200 (sm_90) on this
+# CPU machine, one process per target (docs/AOT.md). test-aot-full runs the whole sweep.
+AOT_ARGS ?=
+AOT_ENV = JAXKV_AOT=1 PYTHONPATH=$(AOT_SITE)
+test-aot: $(VENV)/.installed-aot
+	$(AOT_ENV) JAXKV_AOT_TARGET=tpu $(PY) -m pytest -q tests/aot/test_tpu.py $(AOT_ARGS)
+	$(AOT_ENV) JAXKV_AOT_TARGET=gpu $(PY) -m pytest -q tests/aot/test_gpu.py $(AOT_ARGS)
+
+test-aot-full:
+	$(MAKE) test-aot AOT_ARGS='-m "slow or not slow"'
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -14,6 +14,9 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # tests/multidevice needs 8 virtual devices, set before jax initializes: test_scaleout.py
 # runs it in a separate process (JAXKV_MULTIDEVICE=1), so this one keeps one device.
 collect_ignore = [] if os.environ.get("JAXKV_MULTIDEVICE") else ["multidevice"]
+# tests/aot needs the `aot` extra and a process per compile target: `make test-aot` runs it.
+if not os.environ.get("JAXKV_AOT"):
+    collect_ignore.append("aot")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,113 @@
+"""TPU v5e and v6e: every kernel and the real engine steps compile with libtpu (XLA:TPU and
+Mosaic, no TPU needed), within VMEM and SMEM, and no program copies the KV pool.
+
+    JAXKV_AOT=1 python -m pytest tests/aot/test_tpu.py [-m slow]    (``make test-aot``)
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from tools import aot_kernels, aot_steps, aot_tpu
+
+from pallas_kernels import tpu_block_sizes
+
+MiB = 2**20
+SCOPED_VMEM = {"v5e": 16 * MiB, "v6e": 32 * MiB}  # XLA's default scoped VMEM limit per kernel
+KERNEL_COLUMNS = ["chip", "kernel", "pool MiB", "temp B", "largest copy B", "VMEM KiB",
+                  "SMEM KiB (est.)", "compile s"]
+STEP_COLUMNS = ["chip", "step", "pool MiB", "temp MiB", "temp / pool", "largest copy MiB",
+                "aliased MiB", "compile s"]
+
+
+def _cases(full_sweep):
+    sample = aot_kernels.sweep(full=False)
+    out = [pytest.param(c, id=c.name) for c in sample]
+    out += [pytest.param(c, id=c.name, marks=pytest.mark.slow)
+            for c in full_sweep if c not in sample]
+    return out
+
+
+def _pool_bytes(case: aot_kernels.KernelCase) -> int:
+    pages = case.shapes()[1]
+    return pages.size * jnp.dtype(pages.dtype).itemsize
+
+
+@pytest.mark.parametrize("chip", aot_tpu.CHIPS)
+@pytest.mark.parametrize("case", _cases(aot_kernels.sweep(full=True)))
+def test_kernel_compiles_without_copying_the_pool(chip, case, table):
+    args = [aot_tpu.abstract(chip, s.shape, s.dtype) for s in case.all_shapes()]
+    r = aot_tpu.compile_for(chip, case.fn("tpu"), *args)
+    pool = _pool_bytes(case)
+    smem = tpu_block_sizes.smem_bytes(case.batch, 8 * min(case.width, 256))
+    table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
+          [chip, case.name, pool // MiB, r.temp_bytes, r.largest_copy(),
+           "/".join(str(v // 1024) for v in r.vmem_bytes), smem // 1024, f"{r.seconds:.1f}"])
+    assert r.vmem_bytes, "no Mosaic kernel in the compiled program"
+    assert max(r.vmem_bytes) <= SCOPED_VMEM[chip]
+    assert r.temp_bytes < 0.1 * pool and r.largest_copy() < 0.1 * pool
+
+
+@pytest.mark.parametrize("rows, width", [(256, 2048), (1024, 8192)])
+def test_page_table_does_not_live_in_smem(rows, width, table):
+    """256 x 2048 entries (2 MiB) exceeded the 1 MiB SMEM when the whole table was
+    scalar-prefetched; 1024 x 8192 is 128K-token context at page 16 for 1024 sequences."""
+    case = aot_kernels.KernelCase("decode", "bfloat16", 128, 16, 4, batch=rows, layers=4,
+                                  width=width, pages=512)
+    args = [aot_tpu.abstract("v5e", s.shape, s.dtype) for s in case.all_shapes()]
+    r = aot_tpu.compile_for("v5e", case.fn("tpu"), *args)
+    smem = tpu_block_sizes.smem_bytes(rows, 8 * 256)
+    table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
+          ["v5e", f"{case.name} W{width}", _pool_bytes(case) // MiB, r.temp_bytes,
+           r.largest_copy(), "/".join(str(v // 1024) for v in r.vmem_bytes), smem // 1024,
+           f"{r.seconds:.1f}"])
+    assert smem < tpu_block_sizes.SMEM_BUDGET
+    assert rows * width * 4 > 1 * MiB  # the table alone would not fit SMEM
+
+
+def test_compile_is_real_oversized_vmem_fails():
+    """A kernel whose VMEM scratch exceeds the chip fails this compile: it is not a dry run."""
+    def kernel(x_ref, o_ref, scratch):
+        scratch[0] = x_ref[...]
+        o_ref[...] = scratch[0]
+
+    def f(x, scratch_rows):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              scratch_shapes=[pltpu.VMEM((scratch_rows, 1024, 128),
+                                                         jnp.float32)])(x)
+
+    x = aot_tpu.abstract("v5e", (1024, 128), jnp.float32)
+    fits = aot_tpu.compile_for("v5e", lambda x: f(x, 2), x)  # 1 MiB of scratch
+    assert max(fits.vmem_bytes) >= 1 * MiB
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
+        aot_tpu.compile_for("v5e", lambda x: f(x, 1024), x)  # 512 MiB > v5e's 128 MiB
+
+
+STEPS = [
+    # head_dim 64 (Llama-3.2-1B shape) and head_dim 128 (Llama-3.2-3B), 1 GiB of bf16 KV.
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096)),
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "decode", 1.0, 64, 64, 4096)),
+    ("v5e", aot_steps.StepCase("llama-3.2-3b", "prefill", 1.0, 512, 16, 4096)),
+    ("v5e", aot_steps.StepCase("llama-3.2-3b", "decode", 1.0, 64, 64, 4096)),
+    # The engine's default width: max_model_len = 128K tokens -> 8,192 pages per row.
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "decode", 2.0, 256, 256, 131072)),
+    ("v6e", aot_steps.StepCase("llama-3-8b", "decode", 2.0, 128, 128, 8192)),
+]
+
+
+@pytest.mark.parametrize("chip, case", [pytest.param(c, s, id=f"{c}-{s.name}".replace(" ", "-"))
+                                        for c, s in STEPS])
+def test_engine_step_updates_the_pool_in_place(chip, case, table):
+    """The real jitted step (scanned layers, bf16, the TPU kernel): the donated pool is
+    aliased to the output and XLA makes no copy of it (temporaries < 10% of the pool)."""
+    step, params, state, batch = aot_steps.step_inputs(case, "pallas-tpu")
+    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, batch)))
+    pool = aot_steps.pool_bytes(state)
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
+           f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
+           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    assert r.temp_bytes < 0.1 * pool
+    assert r.largest_copy() < 0.1 * pool
+    assert r.alias_bytes >= pool  # the output pool reuses the donated input buffer

@@ -1,0 +1,87 @@
+"""Abstract inputs for compiling jaxkv's real engine steps ahead of time, at real model sizes.
+
+Nothing is allocated: the model comes from ``nnx.eval_shape``, the KV state from
+``jax.eval_shape(init_state, ...)`` and the batch from ``padding_batch``, all as
+``ShapeDtypeStruct``s, so a 1B or 8B model and a GiB-sized page pool cost no memory here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.cache.memory import PRESETS
+from jaxkv.kv import init_state
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.llama import Llama
+from jaxkv.runtime.batch import padding_batch
+from jaxkv.runtime.steps import make_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """One engine step to compile: a model preset, a pool and a batch shape."""
+
+    model: str  # a preset of jaxkv.cache.memory
+    kind: str  # "prefill" or "decode"
+    pool_gib: float  # KV pool size
+    tokens: int  # T of the batch
+    rows: int  # B (max_num_seqs)
+    max_model_len: int
+    page_size: int = 16
+    dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}"
+
+
+def config_of(preset: str) -> ModelConfig:
+    """A ModelConfig with the shape of a memory-planning preset (e.g. "llama-3.2-1b")."""
+    s = PRESETS[preset]
+    return ModelConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+                       intermediate_size=s.intermediate_size, num_layers=s.num_layers,
+                       num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                       tie_word_embeddings=s.tie_word_embeddings,
+                       attention_bias=s.attention_bias, max_position_embeddings=131_072)
+
+
+@functools.cache
+def abstract_model(preset: str, dtype: str):
+    """(graphdef, abstract params) of a scanned-layer Llama with ``preset``'s shape."""
+    dt = jnp.dtype(dtype)
+    module = nnx.eval_shape(lambda: Llama(config_of(preset), dtype=dt, param_dtype=dt,
+                                          scan_layers=True, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(module)
+    return graphdef, params
+
+
+def num_pages(case: StepCase) -> int:
+    c = config_of(case.model)
+    per_page = 2 * c.num_layers * c.num_kv_heads * c.head_dim * case.page_size
+    per_page *= jnp.dtype(case.dtype).itemsize
+    return int(case.pool_gib * 2**30) // per_page
+
+
+def step_inputs(case: StepCase, impl: str):
+    """(jitted step, params, state, batch): abstract inputs of one real jaxkv step."""
+    graphdef, params = abstract_model(case.model, case.dtype)
+    config = config_of(case.model)
+    pages = num_pages(case)
+    width = case.max_model_len // case.page_size
+    state = jax.eval_shape(lambda: init_state(config, pages, case.page_size, case.rows, width,
+                                              jnp.dtype(case.dtype)))
+    q = 1 if case.kind == "decode" else case.tokens
+    batch = padding_batch(case.tokens, case.rows, q, num_pages=pages, max_seqs=case.rows,
+                          max_pages_per_seq=width)
+    steps = make_steps(graphdef, impl)
+    step = steps.decode if case.kind == "decode" else steps.prefill
+    return step, params, state, batch
+
+
+def pool_bytes(state) -> int:
+    return int(state.kv_pages.size) * jnp.dtype(state.kv_pages.dtype).itemsize
