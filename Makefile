@@ -30,7 +30,7 @@ test-slow: $(VENV)/.installed
 AOT_SITE := $(VENV)/aot-site
 $(VENV)/.installed-aot: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q --no-deps --upgrade --target $(AOT_SITE) \
-		$$($(PY) tests/tools/extra.py aot --skip jax)
+		$$($(PY) tests/tools/aot_requirements.py)
 	touch $@
 
 # Compile every kernel and the engine steps for TPU v5e/v6e and for H100/H200 (sm_90) on this

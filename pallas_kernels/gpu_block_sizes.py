@@ -6,8 +6,9 @@ per block, S page_size), D head_dim.
 A Triton program keeps its tiles in registers: a thread of a ``num_warps``-warp program holds
 about ``elements / (32 * num_warps)`` values of every live tensor. sm_90 gives a thread at most
 255 registers; beyond that ptxas spills to local memory (slow, and counted by ``make test-aot``).
-The budgets below were chosen with ptxas on sm_90 (``tests/aot``): the largest tiles that
-compile with no spills for bf16/f16 at head_dim 64 and 128, group 1-16, page 8-64.
+The budgets below were chosen with ptxas on sm_90 (``tests/aot``; ``make test-aot-full``
+compiles bf16 and f32 at head_dim 64 and 128, group 1/4/8, page 16/32, plus pages of 8 and 64):
+the largest tiles found there to compile with no spills.
 
 - Broadcast path (decode, G <= 4): scores and P @ V are multiply-reduces over an f32
   ``[R, N, D]`` product, so ``R * N * D`` is what must fit.

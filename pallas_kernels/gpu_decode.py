@@ -156,6 +156,8 @@ def paged_decode_attention_gpu(
     for name, value in (("pages_per_block", pages_per_block), ("num_warps", num_warps)):
         check_knob(name, value, pow2=True)
     precision = resolve_f32_precision(precision)
+    if interpret:  # the dots then run on the CPU, which computes f32 exactly and knows no TF32
+        precision = "ieee"
 
     g = h // n_kv
     width = page_table.shape[1]

@@ -31,20 +31,24 @@ MASKED = -1e30  # finite: a fully masked row keeps m finite and yields zeros, ne
 MMA_MIN = 16  # Triton's tl.dot minimum for M, N and K
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
-# How float32 tiles go through tl.dot (16-bit tiles always use their native MMA):
+# How float32 tiles go through tl.dot (16-bit tiles always use their native MMA; the decode
+# kernel's broadcast path, group <= 4, has no dot and computes in f32 whatever this says):
 #   "tf32"    TF32 tensor cores, f32 accumulation: XLA's own default for f32 matmuls on GPU;
 #   "tf32x3"  three TF32 passes (split mantissas): close to f32, about 3x the MMA work;
+#   "bf16x3"  three bf16 passes: close to f32 (a little less than tf32x3), bf16 tensor cores;
 #   "ieee"    exact f32 built from FMAs: slowest, register-heavy, long to compile.
-F32_PRECISIONS = ("tf32", "tf32x3", "ieee")
+F32_PRECISIONS = ("tf32", "tf32x3", "bf16x3", "ieee")
 _FROM_CONFIG = {"highest": "ieee", "float32": "ieee", "F32_F32_F32": "ieee",
-                "high": "tf32x3", "TF32_TF32_F32_X3": "tf32x3"}
+                "high": "tf32x3", "TF32_TF32_F32_X3": "tf32x3", "BF16_BF16_F32_X3": "bf16x3"}
 _DOT_PRECISION = {"tf32": lax.Precision.DEFAULT, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                  "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
                   "ieee": lax.Precision.HIGHEST}
 
 
 def resolve_f32_precision(precision: str | None) -> str:
     """The f32 dot mode: ``precision`` itself, or (None) what jax_default_matmul_precision asks
-    for ("highest"/"float32" -> "ieee", "high" -> "tf32x3", anything else -> "tf32")."""
+    for ("highest"/"float32" -> "ieee", "high" -> "tf32x3", "BF16_BF16_F32_X3" -> "bf16x3",
+    anything else -> "tf32")."""
     if precision is None:
         return _FROM_CONFIG.get(jax.config.jax_default_matmul_precision or "", "tf32")
     if precision not in F32_PRECISIONS:

@@ -171,6 +171,8 @@ def ragged_paged_attention_gpu(
         check_knob(name, value, pow2=True)
     check_knob("num_stages", num_stages)
     precision = resolve_f32_precision(precision)
+    if interpret:  # the dots then run on the CPU, which computes f32 exactly and knows no TF32
+        precision = "ieee"
 
     g = h // n_kv
     gp = next_pow2(g)

@@ -12,8 +12,10 @@ Pallas kernel needs row-major operands, and XLA then copied both whole pools (pa
 on every kernel call. Packed, a head-64 page row is exactly 128 lanes: XLA keeps the array
 row-major, the kernel reads it in place, and one DMA (one gather on GPU) moves K and V of a
 page together. The same layout serves D = 128 (256 lanes), so there is one state layout for
-every model, every backend and the pure-jnp reference. vLLM's TPU kernel for head_dim 64
-(tpu-inference, ragged paged attention v3) packs K and V the same way.
+every model, every backend and the pure-jnp reference. tpu-inference's head_dim-64 TPU kernel
+(ragged paged attention v3, ``kernel_hd64.py``) also concatenates K and V along head_dim, in a
+page-major ``[P, S, K, 2D]`` cache; here kv heads stay outer (``[K, P, S, 2D]`` per layer), so
+a page of one kv head is one contiguous ``[S, 2D]`` slab and pages shard by kv head.
 """
 
 from __future__ import annotations

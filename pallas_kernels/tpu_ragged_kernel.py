@@ -130,7 +130,7 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
         nxt = seq(nb)
         return _Pair(nb, jnp.where(more, p.j + 1, nxt.j_lo), nxt)
 
-    table_cols = pt_buf.shape[2]  # C: the whole (padded) row, or 256 columns of it
+    window_rows, table_cols = pt_buf.shape[1:]  # 8 rows (or all, if fewer); C columns
     table_width = pt_hbm.shape[1]
 
     def table_window(p: _Pair):
@@ -138,7 +138,9 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
         and the entries' row and column inside it."""
         b = jnp.minimum(p.b, max_seqs - 1)
         col = jnp.clip(p.j * pages_per_block, 0, table_width - 1)
-        r0 = b // TABLE_ROWS * TABLE_ROWS
+        r0 = jnp.int32(0)  # a window of all rows starts at row 0 (no tile alignment needed)
+        if window_rows < pt_hbm.shape[0]:  # 8-row windows of a table padded to 8k rows
+            r0 = b // window_rows * window_rows
         c0 = jnp.int32(0)
         if table_cols < table_width:  # both multiples of 128: c0 is too
             c0 = jnp.minimum(col // _TABLE_LANES * _TABLE_LANES, table_width - table_cols)
@@ -146,7 +148,7 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
 
     def table_copy(p: _Pair, slot):
         r0, c0, _, _ = table_window(p)
-        src = pt_hbm.at[pl.ds(pl.multiple_of(r0, TABLE_ROWS), TABLE_ROWS),
+        src = pt_hbm.at[pl.ds(pl.multiple_of(r0, window_rows), window_rows),
                         pl.ds(pl.multiple_of(c0, _TABLE_LANES), table_cols)]
         return pltpu.make_async_copy(src, pt_buf.at[slot], sems.at[1, slot])
 
@@ -258,16 +260,19 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
     o_ref[...] = (acc_ref[...] / jnp.where(l_fin > 0, l_fin, 1.0)).astype(o_ref.dtype)
 
 
-def table_cols(width: int) -> int:
-    """C, the columns of one table window: the whole row up to 256, else 256."""
-    return width if width <= _TABLE_COLS else _TABLE_COLS
+def table_window(rows: int, cols: int) -> tuple[int, int]:
+    """(rows, columns) of one table window: all rows up to 8 (else 8), the whole row up to 256
+    columns (else 256). A window dim equal to the whole array dim needs no tile alignment."""
+    return min(rows, TABLE_ROWS), min(cols, _TABLE_COLS)
 
 
 def _table_for_dma(page_table):
-    """The table as the kernel DMAs it: rows padded to a multiple of 8 and, past 256 columns,
-    columns to a multiple of 128 (the engine's power-of-two shapes need neither: no copy)."""
+    """The table as the kernel DMAs it: past 8 rows, rows padded to a multiple of 8, and past
+    256 columns, columns to a multiple of 128, so every window starts on a tile. Tables whose
+    sides are already such multiples (or small) are used as they are; padding copies the table
+    (B x W i32: small next to the pages)."""
     b, w = page_table.shape
-    rows = -(-b // TABLE_ROWS) * TABLE_ROWS
+    rows = b if b <= TABLE_ROWS else -(-b // TABLE_ROWS) * TABLE_ROWS
     cols = w if w <= _TABLE_COLS else -(-w // _TABLE_LANES) * _TABLE_LANES
     if (rows, cols) == (b, w):
         return page_table
@@ -305,7 +310,7 @@ def ragged_pallas_call(
             out_specs=q_block,
             scratch_shapes=[
                 pltpu.VMEM((2, bk, d2), kv_pages.dtype),  # K|V double buffer
-                pltpu.SMEM((2, TABLE_ROWS, table_cols(table.shape[1])), jnp.int32),
+                pltpu.SMEM((2, *table_window(*table.shape)), jnp.int32),  # table windows
                 pltpu.SemaphoreType.DMA((2, 2)),  # [pages/table, slot]
                 pltpu.VMEM((rows, _LANES), jnp.float32),  # m: running row max
                 pltpu.VMEM((rows, _LANES), jnp.float32),  # l: running softmax denominator

@@ -20,9 +20,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import tpu_block_sizes
 from pallas_kernels.tpu_ragged_kernel import (
     MAX_PAGES_PER_BLOCK,
-    TABLE_ROWS,
     ragged_pallas_call,
-    table_cols,
+    table_window,
 )
 
 
@@ -71,8 +70,8 @@ def _validate(q, kv_pages, page_table, kv_lens, cu_q_lens, num_seqs, layer, *, s
                f"must be None or a positive int, got {value!r}")
     _check(pages_per_block is None or pages_per_block <= MAX_PAGES_PER_BLOCK, "pages_per_block",
            f"at most {MAX_PAGES_PER_BLOCK}, got {pages_per_block}")
-    smem = tpu_block_sizes.smem_bytes(page_table.shape[0],
-                                      TABLE_ROWS * table_cols(page_table.shape[1]))
+    window = table_window(*page_table.shape)
+    smem = tpu_block_sizes.smem_bytes(page_table.shape[0], window[0] * window[1])
     _check(smem <= tpu_block_sizes.SMEM_BUDGET, "page_table",
            f"{page_table.shape[0]} rows need {smem} B of SMEM for kv_lens and cu_q_lens, over "
            f"the {tpu_block_sizes.SMEM_BUDGET} B budget: split the batch")
@@ -100,8 +99,8 @@ def ragged_paged_attention_tpu(
     """Ragged causal attention of new tokens over a paged KV cache on TPU -> [T, H, D].
 
     Same semantics as ``ragged_paged_attention_reference``; tokens past ``cu_q_lens[num_seqs]``
-    return zeros. Page ids and ``layer`` are clamped into the pool; kv_lens and cu_q_lens are
-    trusted (the TPU interpreter raises on the out-of-bounds reads bad ones would cause).
+    return zeros. Page ids and ``layer`` are clamped into the pool, and every SMEM index is
+    bounded, so malformed lengths give wrong numbers for their own rows, never a stray read.
     """
     _validate(q, kv_pages, page_table, kv_lens, cu_q_lens, num_seqs, layer,
               sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,

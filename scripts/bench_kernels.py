@@ -41,21 +41,22 @@ def _inputs(batch, context, *, kv_heads, group, head_dim, page_size, dtype, seed
     k = jax.random.normal(kk, shape, dtype)
     v = jax.random.normal(kv, shape, dtype)
     lengths = jnp.full((batch,), context, jnp.int32)
-    # jaxkv reads K and V packed side by side; JAX's shipped kernels read them separately.
-    return q, k, v, pack_kv(k, v), jnp.asarray(table), lengths
+    return q, k, v, jnp.asarray(table), lengths
 
 
 def _implementations(platform, interpret, knobs):
-    impls = {"jaxkv": lambda q, k, v, kv, t, n, s: paged_decode_attention(
+    """name -> (page layout, fn(q, *pages, table, lengths, scale)). jaxkv reads K and V packed
+    side by side ("packed": one [..., 2D] array); JAX's shipped kernels read them separately."""
+    impls = {"jaxkv": ("packed", lambda q, kv, t, n, s: paged_decode_attention(
         q, kv, t, n, sm_scale=s, backend="gpu" if platform != "tpu" else "tpu",
-        interpret=interpret, **knobs)}
-    impls["xla-reference"] = lambda q, k, v, kv, t, n, s: paged_decode_attention(
-        q, kv, t, n, sm_scale=s, backend="reference")
+        interpret=interpret, **knobs))}
+    impls["xla-reference"] = ("packed", lambda q, kv, t, n, s: paged_decode_attention(
+        q, kv, t, n, sm_scale=s, backend="reference"))
     if platform == "gpu" or interpret:
         from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
         # The shipped kernel does not scale queries: pre-scale q so all compute the same thing.
-        def shipped_gpu(q, k, v, kv, t, n, s):
+        def shipped_gpu(q, k, v, t, n, s):
             # Its splits must divide the pages per sequence, and its blocks each split.
             splits = math.gcd(16, t.shape[1])
             block = math.gcd(8, t.shape[1] // splits)
@@ -63,17 +64,17 @@ def _implementations(platform, interpret, knobs):
                                            interpret=interpret, pages_per_compute_block=block,
                                            k_splits=splits)
 
-        impls["jax-shipped"] = shipped_gpu
+        impls["jax-shipped"] = ("split", shipped_gpu)
     elif platform == "tpu":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as shipped
 
-        impls["jax-shipped"] = lambda q, k, v, kv, t, n, s: shipped(
-            q * jnp.asarray(s, q.dtype), k, v, n, t, pages_per_compute_block=8)
+        impls["jax-shipped"] = ("split", lambda q, k, v, t, n, s: shipped(
+            q * jnp.asarray(s, q.dtype), k, v, n, t, pages_per_compute_block=8))
     return impls
 
 
 def _time(fn, args, repeats):
-    f = jax.jit(fn, static_argnums=(6,))
+    f = jax.jit(fn, static_argnums=(len(args) - 1,))
     out = f(*args)
     out.block_until_ready()
     best = float("inf")
@@ -82,6 +83,12 @@ def _time(fn, args, repeats):
         f(*args).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return best, out
+
+
+def _time_all(impls, layout, pages, q, table, lengths, scale, repeats):
+    """(seconds, output) of each implementation that reads its pages in ``layout``."""
+    return {name: _time(fn, (q, *pages, table, lengths, scale), repeats)
+            for name, (kind, fn) in impls.items() if kind == layout}
 
 
 def main(argv=None) -> int:
@@ -93,8 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--max-kv-gib", type=float, default=40.0,
-                   help="skip configurations whose K/V pool exceeds this")
+    p.add_argument("--max-kv-gib", type=float, default=24.0,
+                   help="skip configurations whose K/V pool exceeds this (peak memory ~2x)")
     p.add_argument("--peak-gbs", type=float, default=None, help="device HBM bandwidth, GB/s")
     p.add_argument("--pages-per-block", type=int, default=None,
                    help="jaxkv kernel knob (default: gpu/tpu_block_sizes)")
@@ -126,15 +133,21 @@ def main(argv=None) -> int:
             kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * 2
             if kv_bytes > args.max_kv_gib * 2**30:
                 continue
-            inputs = _inputs(batch, context, kv_heads=args.kv_heads, group=args.group,
-                             head_dim=args.head_dim, page_size=args.page_size, dtype=dtype)
+            q, k, v, table, lengths = _inputs(
+                batch, context, kv_heads=args.kv_heads, group=args.group,
+                head_dim=args.head_dim, page_size=args.page_size, dtype=dtype)
             scale = 1.0 / np.sqrt(args.head_dim)
-            ref = None
-            for name, fn in impls.items():
-                seconds, out = _time(fn, (*inputs, scale), args.repeats)
-                out = np.asarray(out.astype(jnp.float32))
-                ref = out if ref is None else ref
-                err = float(np.abs(out - ref).max())
+            common = (q, table, lengths, scale, args.repeats)
+            # Separate K/V first, then the packed copy: one layout in memory at a time (plus
+            # the reference's gather), so --max-kv-gib bounds about half the device memory.
+            results = _time_all(impls, "split", (k, v), *common)
+            kv = pack_kv(k, v)
+            del k, v
+            results |= _time_all(impls, "packed", (kv,), *common)
+            del kv
+            ref = np.asarray(results["xla-reference"][1].astype(jnp.float32))
+            for name, (seconds, out) in results.items():
+                err = float(np.abs(np.asarray(out.astype(jnp.float32)) - ref).max())
                 gbs = kv_bytes / seconds / 1e9
                 rows.append((batch, context, name, seconds * 1e6, gbs,
                              gbs / peak * 100 if peak else float("nan"), err))

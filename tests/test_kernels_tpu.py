@@ -210,6 +210,20 @@ def test_bad_page_ids_and_layer_are_clamped_never_out_of_bounds():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(run_interpreted(run, jnp.int32(1))))
 
 
+@pytest.mark.parametrize("width", [384, 600])
+def test_wide_page_table_windows(width):
+    """Tables wider than one 256-column SMEM window, taller than 8 rows: the window of a kv
+    block starts at column 128 or 256 (384: clamped to the last window; 600: padded to 640)
+    and at row 8. A sliding window makes the long rows visit only their last few pages."""
+    seqs = [(1, 40)] * 8 + [(1, 2500), (2, 3000)]  # rows 8 and 9: ~375 pages each
+    batch = make_batch(11, seqs, page_size=8, kv_heads=1, group=2, head_dim=64, num_rows=12,
+                       pages_per_row=width)
+    kw = dict(sm_scale=0.125, sliding_window=16)
+    out = run_interpreted(ragged_paged_attention_tpu, *batch.args, num_q_per_block=4,
+                          pages_per_block=4, **kw)
+    assert_matches(out, ragged_paged_attention_reference(*batch.args, **kw), batch, jnp.float32)
+
+
 def test_layer_axis_matches_4d_slice_inside_scan(capfd):
     batch = make_batch(4, mixed_seqs(8), page_size=8, kv_heads=2, group=2, head_dim=64,
                        layers=2)

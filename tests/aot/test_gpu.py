@@ -25,7 +25,7 @@ def _row(name, precision, r: aot_gpu.KernelReport):
 def _cases(precisions):
     sample = aot_kernels.sweep(full=False)
     out = []
-    for case in aot_kernels.sweep(full=True):
+    for case in aot_kernels.sweep(full=True) + aot_kernels.EDGES:
         for p in (precisions if case.dtype == "float32" else (None,)):
             slow = case not in sample or p not in (None, "tf32")
             out.append(pytest.param(case, p, id=f"{case.name}-{p or 'native'}",
@@ -33,15 +33,14 @@ def _cases(precisions):
     return out
 
 
-@pytest.mark.parametrize("case, precision", _cases(("tf32", "tf32x3", "ieee")))
+@pytest.mark.parametrize("case, precision", _cases(("tf32", "tf32x3", "bf16x3", "ieee")))
 def test_kernel_fits_sm90(case, precision, table):
     knobs = {"precision": precision} if precision else {}
     [r] = aot_gpu.kernel_reports(case.fn("gpu", **knobs), *case.all_shapes())
     table("GPU kernels, sm_90 (Triton -> PTX -> ptxas -v)", COLUMNS,
           _row(case.name, precision or case.dtype, r))
-    assert r.registers <= aot_gpu.REGISTER_LIMIT
-    # Exact f32 ("ieee") and 3xTF32 trade registers for accuracy; they are allowed to spill.
-    assert not r.problems(allow_spills=precision in ("tf32x3", "ieee"))
+    # The 3-pass modes and exact f32 trade registers for accuracy: they are allowed to spill.
+    assert not r.problems(allow_spills=precision in ("tf32x3", "bf16x3", "ieee"))
 
 
 STEPS = [

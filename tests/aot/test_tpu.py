@@ -35,12 +35,12 @@ def _pool_bytes(case: aot_kernels.KernelCase) -> int:
 
 
 @pytest.mark.parametrize("chip", aot_tpu.CHIPS)
-@pytest.mark.parametrize("case", _cases(aot_kernels.sweep(full=True)))
+@pytest.mark.parametrize("case", _cases(aot_kernels.sweep(full=True) + aot_kernels.EDGES))
 def test_kernel_compiles_without_copying_the_pool(chip, case, table):
     args = [aot_tpu.abstract(chip, s.shape, s.dtype) for s in case.all_shapes()]
     r = aot_tpu.compile_for(chip, case.fn("tpu"), *args)
     pool = _pool_bytes(case)
-    smem = tpu_block_sizes.smem_bytes(case.batch, 8 * min(case.width, 256))
+    smem = tpu_block_sizes.smem_bytes(case.batch, min(case.batch, 8) * min(case.width, 256))
     table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
           [chip, case.name, pool // MiB, r.temp_bytes, r.largest_copy(),
            "/".join(str(v // 1024) for v in r.vmem_bytes), smem // 1024, f"{r.seconds:.1f}"])
@@ -51,19 +51,18 @@ def test_kernel_compiles_without_copying_the_pool(chip, case, table):
 
 @pytest.mark.parametrize("rows, width", [(256, 2048), (1024, 8192)])
 def test_page_table_does_not_live_in_smem(rows, width, table):
-    """256 x 2048 entries (2 MiB) exceeded the 1 MiB SMEM when the whole table was
-    scalar-prefetched; 1024 x 8192 is 128K-token context at page 16 for 1024 sequences."""
+    """A 256 x 2048 table (2 MiB) failed this compile with RESOURCE_EXHAUSTED on the 1 MiB SMEM
+    while the whole table was scalar-prefetched; 1024 x 8192 is 128K-token context at page 16
+    for 1024 sequences. The compile succeeding is the check."""
     case = aot_kernels.KernelCase("decode", "bfloat16", 128, 16, 4, batch=rows, layers=4,
                                   width=width, pages=512)
     args = [aot_tpu.abstract("v5e", s.shape, s.dtype) for s in case.all_shapes()]
     r = aot_tpu.compile_for("v5e", case.fn("tpu"), *args)
-    smem = tpu_block_sizes.smem_bytes(rows, 8 * 256)
     table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
-          ["v5e", f"{case.name} W{width}", _pool_bytes(case) // MiB, r.temp_bytes,
-           r.largest_copy(), "/".join(str(v // 1024) for v in r.vmem_bytes), smem // 1024,
-           f"{r.seconds:.1f}"])
-    assert smem < tpu_block_sizes.SMEM_BUDGET
-    assert rows * width * 4 > 1 * MiB  # the table alone would not fit SMEM
+          ["v5e", case.name, _pool_bytes(case) // MiB, r.temp_bytes, r.largest_copy(),
+           "/".join(str(v // 1024) for v in r.vmem_bytes),
+           tpu_block_sizes.smem_bytes(rows, 8 * 256) // 1024, f"{r.seconds:.1f}"])
+    assert len(r.vmem_bytes) == 1  # the Mosaic kernel is in the program
 
 
 def test_compile_is_real_oversized_vmem_fails():
@@ -108,6 +107,7 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
           [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
            f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
            f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    assert len(r.vmem_bytes) == 1  # one Mosaic kernel (in the layer scan), not the reference
     assert r.temp_bytes < 0.1 * pool
     assert r.largest_copy() < 0.1 * pool
     assert r.alias_bytes >= pool  # the output pool reuses the donated input buffer

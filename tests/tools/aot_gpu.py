@@ -26,7 +26,6 @@ from jax._src.lib.mlir import ir  # noqa: E402
 
 ARCH = "9.0"  # H100 / H200 (sm_90; ptxas targets sm_90a, which adds wgmma)
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
-REGISTER_LIMIT = 255
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ class KernelCase:
     def name(self) -> str:
         bits = [self.kernel, {"bfloat16": "bf16", "float32": "f32"}[self.dtype],
                 f"D{self.head_dim}", f"S{self.page_size}", f"G{self.group}", f"B{self.batch}",
-                "5D" if self.layers else "4D"]
+                "5D" if self.layers else "4D"] + ([f"W{self.width}"] if self.width != 64 else [])
         return "-".join(bits)
 
     def shapes(self) -> list[jax.ShapeDtypeStruct]:
@@ -88,4 +88,17 @@ def sweep(full: bool) -> list[KernelCase]:
                                 layers=(0, 4)[(i // 2) % 2]))
     for kernel, d in itertools.product(AXES["kernel"], AXES["head_dim"]):
         cases.append(KernelCase(kernel, "float32", d, 16, 4, batch=8, layers=4))
-    return cases
+    return cases + EDGES
+
+
+# Beyond the product: pages of 8 and 64 (at 64 with head_dim 128 no broadcast decode tile fits
+# and the decode kernel falls back to tl.dot), and the engine's 1.5x-power-of-two shapes
+# (3, 6, 12 rows; 96, 192, 384 table columns), which the TPU kernel's table windows must take.
+EDGES = [
+    KernelCase("decode", "bfloat16", 128, 64, 4, batch=8, layers=4),
+    KernelCase("decode", "float32", 64, 8, 1, batch=8, layers=0),  # TPU: bf16 pages need 16
+    KernelCase("ragged", "bfloat16", 128, 64, 8, batch=8, layers=4),
+    KernelCase("ragged", "bfloat16", 64, 16, 4, batch=6, layers=4, width=96),
+    KernelCase("decode", "bfloat16", 64, 16, 4, batch=12, layers=4, width=384),
+    KernelCase("decode", "bfloat16", 128, 16, 1, batch=3, layers=4, width=192),
+]
