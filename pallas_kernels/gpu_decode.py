@@ -137,7 +137,7 @@ def paged_decode_attention_gpu(
     pages_per_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    precision: str | None = None,  # f32 dots: "tf32" | "tf32x3" | "ieee" (gpu_paged_common)
+    precision: str | None = None,  # f32 dots: tf32 | tf32x3 | bf16x3 | ieee (gpu_paged_common)
     interpret: bool = False,
 ):
     """Decode attention over paged K/V with flash-decoding splits -> [B, H, D] in q.dtype.
@@ -155,9 +155,7 @@ def paged_decode_attention_gpu(
         check_knob(name, value)
     for name, value in (("pages_per_block", pages_per_block), ("num_warps", num_warps)):
         check_knob(name, value, pow2=True)
-    precision = resolve_f32_precision(precision)
-    if interpret:  # the dots then run on the CPU, which computes f32 exactly and knows no TF32
-        precision = "ieee"
+    precision = resolve_f32_precision(precision, interpret=interpret)
 
     g = h // n_kv
     width = page_table.shape[1]

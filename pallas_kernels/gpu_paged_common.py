@@ -45,15 +45,16 @@ _DOT_PRECISION = {"tf32": lax.Precision.DEFAULT, "tf32x3": lax.DotAlgorithmPrese
                   "ieee": lax.Precision.HIGHEST}
 
 
-def resolve_f32_precision(precision: str | None) -> str:
+def resolve_f32_precision(precision: str | None, *, interpret: bool = False) -> str:
     """The f32 dot mode: ``precision`` itself, or (None) what jax_default_matmul_precision asks
     for ("highest"/"float32" -> "ieee", "high" -> "tf32x3", "BF16_BF16_F32_X3" -> "bf16x3",
-    anything else -> "tf32")."""
+    anything else -> "tf32"). In interpret mode the dots run on the CPU, which computes f32
+    exactly and knows no TF32: "ieee" (after the name is validated)."""
     if precision is None:
-        return _FROM_CONFIG.get(jax.config.jax_default_matmul_precision or "", "tf32")
+        precision = _FROM_CONFIG.get(jax.config.jax_default_matmul_precision or "", "tf32")
     if precision not in F32_PRECISIONS:
         raise ValueError(f"precision must be one of {F32_PRECISIONS} or None, got {precision!r}")
-    return precision
+    return "ieee" if interpret else precision
 
 
 def is_pow2(n: int) -> bool:

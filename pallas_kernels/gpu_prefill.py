@@ -149,7 +149,7 @@ def ragged_paged_attention_gpu(
     pages_per_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    precision: str | None = None,  # f32 dots: "tf32" | "tf32x3" | "ieee" (gpu_paged_common)
+    precision: str | None = None,  # f32 dots: tf32 | tf32x3 | bf16x3 | ieee (gpu_paged_common)
     interpret: bool = False,
 ):
     """Causal ragged attention of new tokens over paged K/V -> [T, H, D] in q.dtype.
@@ -170,9 +170,7 @@ def ragged_paged_attention_gpu(
                         ("num_warps", num_warps)):
         check_knob(name, value, pow2=True)
     check_knob("num_stages", num_stages)
-    precision = resolve_f32_precision(precision)
-    if interpret:  # the dots then run on the CPU, which computes f32 exactly and knows no TF32
-        precision = "ieee"
+    precision = resolve_f32_precision(precision, interpret=interpret)
 
     g = h // n_kv
     gp = next_pow2(g)

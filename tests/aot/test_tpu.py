@@ -12,6 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tools import aot_kernels, aot_steps, aot_tpu
 
 from pallas_kernels import tpu_block_sizes
+from pallas_kernels.tpu_ragged_kernel import table_window
 
 MiB = 2**20
 SCOPED_VMEM = {"v5e": 16 * MiB, "v6e": 32 * MiB}  # XLA's default scoped VMEM limit per kernel
@@ -29,6 +30,11 @@ def _cases(full_sweep):
     return out
 
 
+def _smem_estimate(rows: int, width: int) -> int:
+    rows_w, cols_w = table_window(rows, width)
+    return tpu_block_sizes.smem_bytes(rows, rows_w * cols_w)
+
+
 def _pool_bytes(case: aot_kernels.KernelCase) -> int:
     pages = case.shapes()[1]
     return pages.size * jnp.dtype(pages.dtype).itemsize
@@ -40,7 +46,7 @@ def test_kernel_compiles_without_copying_the_pool(chip, case, table):
     args = [aot_tpu.abstract(chip, s.shape, s.dtype) for s in case.all_shapes()]
     r = aot_tpu.compile_for(chip, case.fn("tpu"), *args)
     pool = _pool_bytes(case)
-    smem = tpu_block_sizes.smem_bytes(case.batch, min(case.batch, 8) * min(case.width, 256))
+    smem = _smem_estimate(case.batch, case.width)
     table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
           [chip, case.name, pool // MiB, r.temp_bytes, r.largest_copy(),
            "/".join(str(v // 1024) for v in r.vmem_bytes), smem // 1024, f"{r.seconds:.1f}"])
@@ -61,7 +67,7 @@ def test_page_table_does_not_live_in_smem(rows, width, table):
     table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
           ["v5e", case.name, _pool_bytes(case) // MiB, r.temp_bytes, r.largest_copy(),
            "/".join(str(v // 1024) for v in r.vmem_bytes),
-           tpu_block_sizes.smem_bytes(rows, 8 * 256) // 1024, f"{r.seconds:.1f}"])
+           _smem_estimate(rows, width) // 1024, f"{r.seconds:.1f}"])
     assert len(r.vmem_bytes) == 1  # the Mosaic kernel is in the program
 
 
