@@ -1,7 +1,6 @@
-"""The device KV state: an immutable pytree of pages, page table and lengths.
+"""The device KV state: an immutable pytree of KV pages.
 
-Axes: L layers, K kv heads, P pages, S page_size, D head_dim, B max_seqs (slots),
-W max_pages_per_seq, T tokens of a step.
+Axes: L layers, K kv heads, P pages, S page_size, D head_dim, T tokens of a step.
 
 Pages hold keys and values side by side, ``kv_pages[..., :D]`` and ``kv_pages[..., D:]``: one
 array the kernels read in place on every backend (``pallas_kernels.layout`` says why).
@@ -30,34 +29,29 @@ def _check(field: str, fn, *args) -> None:
 
 @struct.dataclass
 class PagedKVState:
+    """The KV pages of every sequence, and nothing else on device.
+
+    ``kv_pages`` f[L, K, P, S, 2D] (the compute dtype): slot s of page p of kv head k in
+    layer l holds one token's key in ``[..., :D]`` and value in ``[..., D:]``. Which pages
+    belong to which sequence, and how many tokens each holds, is host bookkeeping (allocator,
+    scheduler) sent with every step in its `StepBatch`: the state has no page table.
+    """
+
     kv_pages: jax.Array  # [L, K, P, S, 2D]  keys in [..., :D], values in [..., D:]
-    page_table: jax.Array  # i32[B, W]  slot -> physical pages
-    lengths: jax.Array  # i32[B]  tokens cached per slot
 
     def __post_init__(self):
         # jax rebuilds pytrees with placeholder leaves (tracing, vmap axes); check real arrays only.
-        fields = (self.kv_pages, self.page_table, self.lengths)
-        if all(hasattr(x, "shape") and hasattr(x, "dtype") for x in fields):
+        if hasattr(self.kv_pages, "shape") and hasattr(self.kv_pages, "dtype"):
             self.validate()
 
-    def _looks_valid(self) -> bool:
-        kv, pt, ln = self.kv_pages, self.page_table, self.lengths
-        return (len(kv.shape) == 5 and kv.shape[4] % 2 == 0
-                and len(pt.shape) == 2 and pt.dtype == jnp.int32
-                and ln.shape == (pt.shape[0],) and ln.dtype == jnp.int32)
-
     def validate(self) -> None:
-        """Raises KVStateError naming the first field with a wrong rank, shape or dtype."""
-        if self._looks_valid():  # the per-step fast path; chex below words the failure
+        """Raises KVStateError naming the field if its rank or last axis is wrong."""
+        kv = self.kv_pages
+        if len(kv.shape) == 5 and kv.shape[4] % 2 == 0:  # the per-step fast path
             return
-        _check("kv_pages", chex.assert_rank, self.kv_pages, 5)
-        if self.kv_pages.shape[4] % 2:
-            raise KVStateError(f"PagedKVState.kv_pages: last dim must be 2 * head_dim (keys, "
-                               f"then values), got {self.kv_pages.shape[4]}")
-        _check("page_table", chex.assert_rank, self.page_table, 2)
-        _check("page_table", chex.assert_type, self.page_table, jnp.int32)
-        _check("lengths", chex.assert_shape, self.lengths, (self.page_table.shape[0],))
-        _check("lengths", chex.assert_type, self.lengths, jnp.int32)
+        _check("kv_pages", chex.assert_rank, kv, 5)
+        raise KVStateError(f"PagedKVState.kv_pages: last dim must be 2 * head_dim (keys, "
+                           f"then values), got {kv.shape[4]}")
 
     def validate_for(self, config: ModelConfig) -> None:
         """Checks that this state can hold the KV of `config`'s model."""
@@ -70,25 +64,18 @@ class PagedKVState:
     num_pages = property(lambda self: self.kv_pages.shape[2])
     page_size = property(lambda self: self.kv_pages.shape[3])
     head_dim = property(lambda self: self.kv_pages.shape[4] // 2)
-    max_seqs = property(lambda self: self.page_table.shape[0])
-    max_pages_per_seq = property(lambda self: self.page_table.shape[1])
 
 
-def init_state(config: ModelConfig, num_pages: int, page_size: int, max_seqs: int,
-               max_pages_per_seq: int, dtype=jnp.float32) -> PagedKVState:
-    """An empty state: zeroed pages, an all-zero page table and zero lengths."""
-    for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                        ("max_seqs", max_seqs), ("max_pages_per_seq", max_pages_per_seq)):
-        if not isinstance(value, int) or value <= 0:
+def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32
+               ) -> PagedKVState:
+    """An empty state: zeroed pages."""
+    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"init_state: {name} must be a positive int, got {value!r}")
     if page_size & (page_size - 1):
         raise ValueError(f"init_state: page_size must be a power of two, got {page_size}")
     shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, 2 * config.head_dim)
-    return PagedKVState(
-        kv_pages=jnp.zeros(shape, dtype),
-        page_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
-        lengths=jnp.zeros((max_seqs,), jnp.int32),
-    )
+    return PagedKVState(kv_pages=jnp.zeros(shape, dtype))
 
 
 def write_kv(kv_pages, layer, k_tkd, v_tkd, page_t, offset_t):

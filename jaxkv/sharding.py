@@ -6,7 +6,7 @@ Megatron-style split, written as shardings for XLA's partitioner (GSPMD):
 - MLP: w_gate, w_up by column, w_down by row (one all-reduce after wo, one after w_down);
 - embedding [V, E] and lm_head [E, V] split over the vocabulary;
 - KV pages [L, K, P, S, 2D] split by kv head, so each device stores the K/V of its own heads;
-  the page table and lengths are replicated: one page table serves all shards, and the host
+  each step's page table is replicated: one page table serves all shards, and the host
   side (allocator, radix cache, scheduler) does not know the mesh exists.
 
 The paged-attention kernels run per device inside `shard_map` (`sharded_attention`): each
@@ -121,10 +121,8 @@ def param_shardings(params, mesh: Mesh):
 
 
 def kv_sharding(mesh: Mesh) -> PagedKVState:
-    """Shardings of a PagedKVState: pages by kv head, page table and lengths replicated."""
-    pages = NamedSharding(mesh, P(None, TP, None, None, None))
-    rep = NamedSharding(mesh, P())
-    return PagedKVState(kv_pages=pages, page_table=rep, lengths=rep)
+    """Shardings of a PagedKVState: pages by kv head."""
+    return PagedKVState(kv_pages=NamedSharding(mesh, P(None, TP, None, None, None)))
 
 
 def shard(model: Model, mesh: Mesh) -> Model:

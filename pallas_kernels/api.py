@@ -42,12 +42,13 @@ def resolve_backend(backend: str) -> str:
     return platform if platform in ("gpu", "tpu") else "reference"
 
 
-def _layer_slice(kv_pages, layer):
+def _layer_of(kv_pages, layer):
+    """The layer to read: required with 5-D pages [L, K, P, S, 2D], None with 4-D ones."""
     if kv_pages.ndim == 5:
         if layer is None:
             raise ValueError("layer is required with 5-D pages [L, K, P, S, 2D]")
-        return kv_pages[layer]
-    return kv_pages
+        return layer
+    return None
 
 
 def _mode(backend: str, interpret: bool):
@@ -70,16 +71,16 @@ def ragged_paged_attention(
     layer=None,
     backend: str = "auto",
     interpret: bool = False,
-    max_q_len: int | None = None,  # reference only: bound on one sequence's new tokens
+    max_q_len: int | None = None,  # unused: no attention path takes the longest row as a shape
     **tuning,
 ):
     """Ragged causal attention over paged K/V -> [T, H, D] (see reference.py for semantics)."""
     backend = resolve_backend(backend)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "reference":
-        return ragged_paged_attention_reference(q, _layer_slice(kv_pages, layer), page_table,
-                                                kv_lens, cu_q_lens, num_seqs,
-                                                max_q_len=max_q_len, **common)
+        return ragged_paged_attention_reference(q, kv_pages, page_table, kv_lens, cu_q_lens,
+                                                num_seqs, layer=_layer_of(kv_pages, layer),
+                                                **common)
     with _mode(backend, interpret):
         if backend == "gpu":
             return ragged_paged_attention_gpu(q, kv_pages, page_table, kv_lens, cu_q_lens,
@@ -107,8 +108,8 @@ def paged_decode_attention(
     backend = resolve_backend(backend)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "reference":
-        return paged_decode_attention_reference(q, _layer_slice(kv_pages, layer), page_table,
-                                                lengths, **common)
+        return paged_decode_attention_reference(q, kv_pages, page_table, lengths,
+                                                layer=_layer_of(kv_pages, layer), **common)
     with _mode(backend, interpret):
         if backend == "gpu":
             return paged_decode_attention_gpu(q, kv_pages, page_table, lengths, layer=layer,

@@ -14,9 +14,11 @@ Design:
   16-row padding (MHA: 1 row, not 16). Decode is memory-bound: by a rough H100/H200 estimate
   (~18 B/clk of HBM vs 128 FMA/clk per SM) <= 4 rows of FMAs per loaded key stay under the
   bandwidth roof and 8 would not; the threshold is a constant to confirm by benchmark.
-- Splits: split s owns pages ``[s * pps, (s+1) * pps)`` of the row (pps a multiple of the tile),
-  so short batches still fill the GPU; each split writes an unnormalized f32 (out, max, sum-exp)
-  triple and a jnp log-sum-exp merge combines them. The default aims at ~256 programs.
+- Splits: split s owns pages ``[s * pps, (s+1) * pps)`` of the row (pps a multiple of the tile,
+  computed on device from the batch's longest row, so a table padded to max_model_len still
+  spreads a short batch over every split), so short batches still fill the GPU; each split
+  writes an unnormalized f32 (out, max, sum-exp) triple and a jnp log-sum-exp merge combines
+  them. The default aims at ~256 programs.
 - Page skipping: a program loops only over pages below ``cdiv(length, S)`` and, with a sliding
   window, from the page holding key ``length - window`` on; splits beyond the length do no loads.
 """
@@ -43,12 +45,12 @@ from pallas_kernels.gpu_paged_common import (
 )
 
 
-def _decode_kernel(lengths_ref, table_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
-                   width: int, pages_per_split: int, num_pages: int, page_size: int,
-                   pages_per_block: int, sm_scale: float, soft_cap, sliding_window, mma: bool,
-                   precision: str):
+def _decode_kernel(lengths_ref, split_ref, table_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
+                   width: int, num_pages: int, page_size: int, pages_per_block: int,
+                   sm_scale: float, soft_cap, sliding_window, mma: bool, precision: str):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
+    pages_per_split = split_ref[0]  # from the batch's longest row, not the table's width
     lo = split * pages_per_split
     hi = jnp.minimum(lo + pages_per_split, (length + page_size - 1) // page_size)
     hi = jnp.minimum(hi, width)  # a length past the table is malformed: never read past the row
@@ -69,8 +71,8 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *
     l_ref[...] = l
 
 
-def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, *, width: int, num_splits: int,
-                 pages_per_split: int, num_pages: int, pages_per_block: int, sm_scale: float,
+def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, split_pages, *, width: int,
+                 num_splits: int, num_pages: int, pages_per_block: int, sm_scale: float,
                  soft_cap, sliding_window, mma: bool, precision: str, num_warps: int,
                  num_stages: int, interpret: bool):
     """The pallas_call: per-split partials (o f32[B, K, NS, R, D], m and l f32[B, K, NS, R]).
@@ -81,8 +83,8 @@ def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, *, width: int, num_splits:
     b, k, r, d = q_bkrd.shape
     _, s, _ = kv_fsd.shape
     kernel = functools.partial(
-        _decode_kernel, width=width, pages_per_split=pages_per_split, num_pages=num_pages,
-        page_size=s, pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
+        _decode_kernel, width=width, num_pages=num_pages, page_size=s,
+        pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, mma=mma, precision=precision)
     part = (b, k, num_splits, r)
     return pl.pallas_call(
@@ -90,6 +92,7 @@ def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, *, width: int, num_splits:
         grid=(b, k, num_splits),
         in_specs=[
             whole(lengths_b.shape),
+            whole(split_pages.shape),
             pl.BlockSpec((None, table_bw.shape[1]), lambda i, j, t: (i, 0)),
             pl.BlockSpec((None, None, r, d), lambda i, j, t: (i, j, 0, 0)),
             whole(kv_fsd.shape),  # gathered page by page inside the kernel
@@ -107,7 +110,7 @@ def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, *, width: int, num_splits:
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(lengths_b, table_bw, q_bkrd, kv_fsd)
+    )(lengths_b, split_pages, table_bw, q_bkrd, kv_fsd)
 
 
 def _merge_splits(o, m, l):
@@ -166,13 +169,17 @@ def paged_decode_attention_gpu(
     blocks = -(-width // ppb)
     target = gpu_block_sizes.TARGET_PROGRAMS
     splits = num_splits or max(1, min(blocks, -(-target // (b * n_kv))))
-    pps = -(-blocks // min(splits, blocks)) * ppb  # whole tiles per split; no empty splits
-    splits = -(-width // pps)
+    splits = -(-width // (-(-blocks // min(splits, blocks)) * ppb))  # none empty at full width
+    # Pages per split (whole tiles) follow the batch's longest row, so a table padded to
+    # max_model_len still spreads a short batch over every split.
+    longest = jnp.clip((jnp.max(lengths) + page_size - 1) // page_size, 1, width)
+    tiles = (longest + ppb - 1) // ppb
+    pps = (((tiles + splits - 1) // splits) * ppb).astype(jnp.int32).reshape(1)
 
     kv_fsd, table = flatten_pool(kv_pages, page_table, layer, pad_cols=ppb)
     o, m, l = _decode_call(
-        pad_groups(q, n_kv, g, tile.rows), kv_fsd, table, lengths, width=width,
-        num_splits=splits, pages_per_split=pps, num_pages=n_pages, pages_per_block=ppb,
+        pad_groups(q, n_kv, g, tile.rows), kv_fsd, table, lengths, pps, width=width,
+        num_splits=splits, num_pages=n_pages, pages_per_block=ppb,
         sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
         mma=tile.mma, precision=precision, num_warps=tile.num_warps,
         num_stages=tile.num_stages, interpret=interpret)

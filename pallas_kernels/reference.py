@@ -1,8 +1,7 @@
 """Pure-jnp paged attention: the oracle for the kernels and the CPU attention path.
 
 Axes: T query tokens (all sequences, concatenated), B sequences, H query heads, K kv heads,
-G = H // K queries per kv head, D head_dim, P pages, S page_size, W pages per sequence row,
-Q = max_q_len (new tokens of one sequence), L = W * S key positions per sequence.
+G = H // K queries per kv head, D head_dim, P pages, S page_size, W pages per sequence row.
 
 Pages hold K and V side by side: ``kv_pages[k, p, s, :D]`` is the key and ``kv_pages[k, p, s,
 D:]`` the value of slot s of page p for kv head k (see ``layout.py`` for why).
@@ -20,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30  # finite, so a fully masked row gives zeros, never NaN
+BLOCK_Q = 32  # query tokens per block of the ragged reference
+BLOCK_KV = 256  # key positions per chunk
 
 
 def ragged_paged_attention_reference(
@@ -34,89 +35,171 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     max_q_len: int | None = None,
+    layer=None,
+    block_q: int = BLOCK_Q,
+    block_kv: int = BLOCK_KV,
 ):
     """Ragged causal attention of new query tokens over paged keys/values -> [T, H, D].
 
-    ``max_q_len`` (static) bounds the new tokens of any one sequence; it sets the padded work
-    ``B x max_q_len x W*S``. It defaults to T, always correct but wasteful for decode.
+    Its work follows the real batch, not its padded shapes: queries go in blocks of
+    ``block_q`` tokens, and only blocks holding real tokens run (a loop with a traced trip
+    count); each block reads keys in chunks of ``block_kv`` positions, only up to the longest
+    of its rows, with an online softmax (flash attention). A block whose tokens all belong to
+    one row (the inside of a prefill chunk) gathers that row's pages once for all its tokens;
+    a block spanning rows (decode tokens, chunk edges) gathers each token's pages. So neither
+    the page-table width W nor the longest row is a cost, and neither needs to be a shape.
+    ``max_q_len`` is accepted for the kernels' signature and unused. With ``layer``,
+    ``kv_pages`` is the whole pool [L, K, P, S, 2D] and pages are gathered from that layer
+    directly (slicing the layer out first would copy it).
     """
+    del max_q_len
     t, h, d = q.shape
-    k, _, s, d2 = kv_pages.shape
+    if layer is None:
+        kv_pages, layer = kv_pages[None], 0
+    _, k, _, s, d2 = kv_pages.shape
+    heads = jnp.arange(k)
     b, w = page_table.shape
     if d2 != 2 * d:
         raise ValueError(f"kv_pages last dim ({d2}) must be 2 * q head_dim ({2 * d})")
     if h % k:
         raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({k})")
     g = h // k
-    qmax = t if max_q_len is None else max_q_len
+    bq = min(block_q, t)
+    nb = -(-t // bq)
+    pc = min(max(1, block_kv // s), w)  # pages per key chunk
+    lc = pc * s
+    table = jnp.pad(page_table, ((0, 0), (0, -(-w // pc) * pc - w)))
 
     starts = cu_q_lens[:-1]
     q_lens = cu_q_lens[1:] - starts
-    valid_seq = jnp.arange(b) < num_seqs
+    tok = jnp.arange(nb * bq)
+    row_t = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, b - 1)
+    valid_t = (tok >= cu_q_lens[0]) & (tok < cu_q_lens[num_seqs]) & (tok < t)
+    pos_t = kv_lens[row_t] - q_lens[row_t] + tok - starts[row_t]
+    hi_t = jnp.where(valid_t, pos_t + 1, 0)  # token t sees keys [lo_t, hi_t)
+    lo_t = jnp.zeros_like(hi_t) if sliding_window is None else \
+        jnp.maximum(hi_t - sliding_window, 0)
+    len_t = jnp.where(valid_t, kv_lens[row_t], 0)  # keys at or past it may be stale (NaN)
+    q_b = jnp.pad(q, ((0, nb * bq - t), (0, 0), (0, 0))).reshape(nb, bq, k, g, d)
+    q_b = q_b.astype(jnp.float32)
 
-    # Gather each sequence's queries into a padded [B, Q] grid.
-    i_q = jnp.arange(qmax)
-    rows_bq = starts[:, None] + i_q[None, :]
-    valid_bq = (i_q[None, :] < q_lens[:, None]) & valid_seq[:, None]
-    q_bqhd = q[jnp.clip(rows_bq, 0, t - 1)]
-    q_bqkgd = q_bqhd.reshape(b, qmax, k, g, d)
+    def block(i, out):
+        qb = q_b[i]
+        rows, valid = row_t.reshape(nb, bq)[i], valid_t.reshape(nb, bq)[i]
+        hi, lo, ln = hi_t.reshape(nb, bq)[i], lo_t.reshape(nb, bq)[i], len_t.reshape(nb, bq)[i]
+        uniform = jnp.all((rows == rows[0]) | ~valid)
+        first = jnp.min(jnp.where(valid, lo, jnp.iinfo(jnp.int32).max)) // lc
+        last = -(-jnp.max(hi) // lc)
 
-    # Gather each sequence's keys/values from its pages: [B, K, L, D].
-    kv_bkld = kv_pages[:, page_table].reshape(k, b, w * s, 2 * d).transpose(1, 0, 2, 3)
-    k_bkld, v_bkld = kv_bkld[..., :d], kv_bkld[..., d:]
+        def chunk(c, carry):
+            m, l_sum, acc = carry  # [bq, K, G], [bq, K, G], [bq, K, G, D]
+            cols = c * pc + jnp.arange(pc)
+            kpos = c * lc + jnp.arange(lc)
+            mask = (kpos[None] < hi[:, None]) & (kpos[None] >= lo[:, None])  # [bq, lc]
 
-    logits = jnp.einsum(
-        "bqkgd,bkld->bkgql", q_bqkgd.astype(jnp.float32), k_bkld.astype(jnp.float32)
-    ) * sm_scale
-    if soft_cap is not None:
-        logits = soft_cap * jnp.tanh(logits / soft_cap)
+            def scores(kv, per_token):
+                kk, vv = kv[..., :d].astype(jnp.float32), kv[..., d:].astype(jnp.float32)
+                if per_token:  # kv [bq, K, lc, 2D]
+                    vv = jnp.where((kpos[None] < ln[:, None])[:, None, :, None], vv, 0)
+                    x = jnp.einsum("tkgd,tkld->tkgl", qb, kk)
+                else:  # kv [K, lc, 2D], one row
+                    vv = jnp.where((kpos < ln[0])[None, :, None], vv, 0)
+                    x = jnp.einsum("tkgd,kld->tkgl", qb, kk)
+                return x * sm_scale, vv
 
-    q_pos_bq = (kv_lens - q_lens)[:, None] + i_q[None, :]
-    k_pos_l = jnp.arange(w * s)
-    mask_bql = (k_pos_l[None, None, :] <= q_pos_bq[:, :, None]) & (
-        k_pos_l[None, None, :] < kv_lens[:, None, None]
-    )
-    if sliding_window is not None:
-        mask_bql &= q_pos_bq[:, :, None] - k_pos_l[None, None, :] < sliding_window
-    mask_bql &= valid_bq[:, :, None]
-    logits = jnp.where(mask_bql[:, None, None], logits, _MASKED)
+            def one_row():
+                pages = jax.lax.dynamic_slice_in_dim(table[rows[0]], c * pc, pc)
+                kv = kv_pages[layer, heads[:, None], pages[None]]  # [K, pc, S, 2D]
+                return scores(kv.reshape(k, lc, d2), False)
 
-    # Keys past a sequence's length may sit in freed pages holding anything, NaN included:
-    # zero their values so a masked (zero) probability can never meet a NaN.
-    v_bkld = jnp.where((k_pos_l[None, :] < kv_lens[:, None])[:, None, :, None], v_bkld, 0)
-    m = logits.max(axis=-1, keepdims=True)
-    p = jnp.where(mask_bql[:, None, None], jnp.exp(logits - m), 0.0)
-    denom = jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
-    out_bkgqd = jnp.einsum("bkgql,bkld->bkgqd", p / denom, v_bkld.astype(jnp.float32))
-    out_bqhd = out_bkgqd.transpose(0, 3, 1, 2, 4).reshape(b, qmax, h, d)
+            def per_token():
+                pages = table[rows][:, cols]  # [bq, pc]
+                kv = kv_pages[layer, heads[:, None, None], pages[None]]  # [K, bq, pc, S, 2D]
+                return scores(kv.reshape(k, bq, lc, d2).transpose(1, 0, 2, 3), True)
 
-    # Scatter back to the flat token layout; tokens past the last real row stay zero.
-    seq_t = jnp.clip(jnp.searchsorted(cu_q_lens, jnp.arange(t), side="right") - 1, 0, b - 1)
-    i_t = jnp.arange(t) - starts[seq_t]
-    valid_t = ((jnp.arange(t) >= cu_q_lens[0]) & (jnp.arange(t) < cu_q_lens[num_seqs])
-               & (i_t < qmax))
-    out_thd = out_bqhd[seq_t, jnp.clip(i_t, 0, qmax - 1)]
-    return jnp.where(valid_t[:, None, None], out_thd, 0).astype(q.dtype)
+            # Both branches return logits [bq, K, G, lc]; values differ in rank, so each
+            # branch finishes its own update.
+            def update(x, vv, per_tok):
+                if soft_cap is not None:
+                    x = soft_cap * jnp.tanh(x / soft_cap)
+                x = jnp.where(mask[:, None, None], x, _MASKED)
+                m_new = jnp.maximum(m, x.max(axis=-1))
+                p = jnp.where(mask[:, None, None], jnp.exp(x - m_new[..., None]), 0.0)
+                alpha = jnp.exp(m - m_new)
+                pv = (jnp.einsum("tkgl,tkld->tkgd", p, vv) if per_tok
+                      else jnp.einsum("tkgl,kld->tkgd", p, vv))
+                return m_new, l_sum * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+            return jax.lax.cond(uniform, lambda: update(*one_row(), False),
+                                lambda: update(*per_token(), True))
+
+        init = (jnp.full((bq, k, g), _MASKED, jnp.float32), jnp.zeros((bq, k, g), jnp.float32),
+                jnp.zeros((bq, k, g, d), jnp.float32))
+        _, l_sum, acc = jax.lax.fori_loop(first, jnp.maximum(last, first), chunk, init)
+        res = acc / jnp.maximum(l_sum, 1e-30)[..., None]
+        res = jnp.where(valid[:, None, None, None], res, 0.0)
+        return out.at[i].set(res.reshape(bq, h, d))
+
+    n_blocks = -(-cu_q_lens[num_seqs] // bq)
+    out = jax.lax.fori_loop(0, n_blocks, block, jnp.zeros((nb, bq, h, d), jnp.float32))
+    return out.reshape(nb * bq, h, d)[:t].astype(q.dtype)
 
 
 def paged_decode_attention_reference(
     q,  # [B, H, D]  one new token per sequence
-    kv_pages,  # [K, P, S, 2D]
+    kv_pages,  # [K, P, S, 2D], or [L, K, P, S, 2D] with ``layer``
     page_table,  # i32[B, W]
-    lengths,  # i32[B]  cached tokens including the new one
+    lengths,  # i32[B]  cached tokens including the new one; 0 marks a padding row
     *,
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer=None,
+    block_kv: int = BLOCK_KV,
 ):
-    """Decode attention (one query per sequence): the ragged reference with q_len = 1."""
-    b = q.shape[0]
-    cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
-    # A padding row has length 0: its query position is -1, so every key is masked -> zeros.
-    return ragged_paged_attention_reference(
-        q, kv_pages, page_table, lengths, cu_q_lens, jnp.int32(b),
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=1,
-    )
+    """Decode attention (one query per sequence, at position length - 1): the ragged
+    reference with q_len = 1, as one loop over key chunks up to the longest row."""
+    b, h, d = q.shape
+    if layer is None:
+        kv_pages, layer = kv_pages[None], 0
+    _, k, _, s, d2 = kv_pages.shape
+    if d2 != 2 * d:
+        raise ValueError(f"kv_pages last dim ({d2}) must be 2 * q head_dim ({2 * d})")
+    if h % k:
+        raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({k})")
+    g, w = h // k, page_table.shape[1]
+    pc = min(max(1, block_kv // s), w)
+    lc = pc * s
+    table = jnp.pad(page_table, ((0, 0), (0, -(-w // pc) * pc - w)))
+    heads = jnp.arange(k)
+    qf = q.reshape(b, k, g, d).astype(jnp.float32)
+    hi = lengths  # a row sees keys [lo, hi)
+    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
+    first = jnp.min(jnp.where(hi > 0, lo, jnp.iinfo(jnp.int32).max)) // lc
+    last = -(-jnp.max(hi) // lc)
+
+    def chunk(c, carry):
+        m, l_sum, acc = carry  # [B, K, G], [B, K, G], [B, K, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(table, c * pc, pc, axis=1)  # [B, pc]
+        kv = kv_pages[layer, heads[:, None, None], pages[None]].reshape(k, b, lc, d2)
+        kpos = c * lc + jnp.arange(lc)
+        mask = (kpos[None] < hi[:, None]) & (kpos[None] >= lo[:, None])  # [B, lc]
+        x = jnp.einsum("bkgd,kbld->bkgl", qf, kv[..., :d].astype(jnp.float32)) * sm_scale
+        if soft_cap is not None:
+            x = soft_cap * jnp.tanh(x / soft_cap)
+        x = jnp.where(mask[:, None, None], x, _MASKED)
+        vv = jnp.where(mask[None, :, :, None], kv[..., d:].astype(jnp.float32), 0)
+        m_new = jnp.maximum(m, x.max(axis=-1))
+        p = jnp.where(mask[:, None, None], jnp.exp(x - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgl,kbld->bkgd", p, vv)
+        return m_new, l_sum * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    init = (jnp.full((b, k, g), _MASKED, jnp.float32), jnp.zeros((b, k, g), jnp.float32),
+            jnp.zeros((b, k, g, d), jnp.float32))
+    _, l_sum, acc = jax.lax.fori_loop(first, jnp.maximum(last, first), chunk, init)
+    out = acc / jnp.maximum(l_sum, 1e-30)[..., None]
+    return jnp.where((hi > 0)[:, None, None], out.reshape(b, h, d), 0.0).astype(q.dtype)
 
 
 def dense_causal_attention(q_bthd, k_btkd, v_btkd, *, sm_scale: float, soft_cap=None,

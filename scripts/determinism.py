@@ -19,7 +19,8 @@ import numpy as np
 
 import jaxkv
 from jaxkv.kv import init_state
-from jaxkv.runtime.batch import Row, build_batch
+from jaxkv.runtime.batch import PageTable, Row, build_batch
+from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 
 
@@ -34,22 +35,23 @@ def main(argv=None) -> int:
     prompt = rng.integers(4, c.vocab_size, 40).tolist()
     others = [rng.integers(4, c.vocab_size, 30).tolist() for _ in range(3)]
 
-    def last_logits(page_size=16, chunks=(40,), min_rows=1, company=False):
-        state = init_state(c, 64, page_size, 8, 16, model.dtype)
+    def last_logits(page_size=16, chunks=(40,), tokens_bucket=64, company=False):
+        state = init_state(c, 64, page_size, model.dtype)
+        table = PageTable(8, 16, 64, page_size)
         pages, start = list(range(8)), 0
         for chunk in chunks:
             rows = [Row(0, prompt[start:start + chunk], start, pages)]
             if company and start == 0:
                 rows += [Row(i + 1, o, 0, list(range(8 + 8 * i, 16 + 8 * i)))
                          for i, o in enumerate(others)]
-            batch = build_batch(rows, page_size=page_size, num_pages=64, max_seqs=8,
-                                max_pages_per_seq=16, min_rows=min_rows)
-            logits, state = steps.prefill(model.params, state, batch)
+            batch = build_batch(rows, table, tokens_bucket=max(tokens_bucket, 128 * company))
+            _, logits, state = steps.step(model.params, state, batch, np.zeros((8, 2), np.uint32),
+                                          SamplingArrays.greedy(8))
             start += chunk
         return np.asarray(logits[0])
 
     alone = last_logits()
-    cases = {"run again": last_logits(), "padded to 8 rows": last_logits(min_rows=8),
+    cases = {"run again": last_logits(), "padded to 256 tokens": last_logits(tokens_bucket=256),
              "with 3 other prompts": last_logits(company=True),
              "in chunks of 16+16+8": last_logits(chunks=(16, 16, 8)),
              "page size 8": last_logits(page_size=8)}

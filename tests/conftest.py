@@ -38,3 +38,25 @@ def tiny_model(tiny_config):
     module = model.module()
     module.embed.set_value(module.embed[...] * 25.0)
     return jaxkv.Model.from_module(module)
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no map limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """XLA:CPU maps each compiled program's code into memory (hundreds of mappings for an
+    engine step); a whole test run compiles thousands of programs and would pass Linux's
+    per-process limit (vm.max_map_count, 65,530), crashing inside the compiler. Dropping jax's
+    compile caches when the count gets high frees them (later tests just recompile)."""
+    yield
+    if _memory_maps() > 30_000:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()

@@ -30,7 +30,7 @@ from jaxkv import (
 )
 from jaxkv.kv import init_state
 from jaxkv.model.loading import save_params
-from jaxkv.runtime.batch import Row, build_batch
+from jaxkv.runtime.batch import PageTable, Row, build_batch
 
 SMALL = dict(page_size=16, num_pages=8, max_num_seqs=4, max_model_len=128,
              max_num_batched_tokens=16)
@@ -51,7 +51,7 @@ def checkpoint(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    return jaxkv.generate(tiny_model, [IN_FLIGHT, GOOD], greedy())
+    return jaxkv.generate(tiny_model, [IN_FLIGHT, GOOD], [greedy(40), greedy()])
 
 
 def _copy_checkpoint(ctx, edit_config=None, edit_tensors=None):
@@ -83,14 +83,16 @@ def _engine(**kw):
 
 
 def _state_step(ctx, state):
-    batch = build_batch([Row(0, GOOD, 0, [0])], page_size=16, num_pages=8, max_seqs=4,
-                        max_pages_per_seq=8)
-    ctx.engine.steps.prefill(ctx.model.params, state, batch)
+    engine = ctx.engine
+    batch = build_batch([Row(0, GOOD, 0, [0])], PageTable(engine.max_num_seqs, 8, 8, 16),
+                        tokens_bucket=16)
+    keys, arrays = engine._sampling([])
+    engine.steps.step(ctx.model.params, state, batch, keys, arrays)
 
 
 def _batch(row, **kw):
-    args = dict(page_size=16, num_pages=8, max_seqs=4, max_pages_per_seq=8, vocab_size=97)
-    return lambda ctx: build_batch([row], **dict(args, **kw))
+    args = dict(tokens_bucket=16, vocab_size=97) | kw
+    return lambda ctx: build_batch([row], PageTable(4, 8, 8, 16), **args)
 
 
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"
@@ -217,19 +219,19 @@ BAD = [
         ctx, edit_tensors=_shrink_k_proj)), CheckpointError,
         rf"{K_PROJ}: expected \(32, 64\), got \(31, 64\)", id="tensor of the wrong shape"),
     # --- init_state and the jitted steps ----------------------------------------------------
-    pytest.param(lambda ctx: init_state(ctx.model.config, 8, 12, 4, 8), ValueError,
+    pytest.param(lambda ctx: init_state(ctx.model.config, 8, 12), ValueError,
                  "init_state: page_size must be a power of two, got 12", id="init_state page_size"),
-    pytest.param(lambda ctx: init_state(ctx.model.config, 0, 16, 4, 8), ValueError,
+    pytest.param(lambda ctx: init_state(ctx.model.config, 0, 16), ValueError,
                  "init_state: num_pages must be a positive int, got 0", id="init_state num_pages"),
     pytest.param(lambda ctx: _state_step(ctx, init_state(
-        dataclasses.replace(ctx.model.config, num_kv_heads=4), 8, 16, 4, 8)),
+        dataclasses.replace(ctx.model.config, num_kv_heads=4), 8, 16)),
         KVStateError, r"PagedKVState.kv_pages", id="state of another model"),
-    pytest.param(lambda ctx: _state_step(ctx, init_state(ctx.model.config, 8, 16, 4, 8,
+    pytest.param(lambda ctx: _state_step(ctx, init_state(ctx.model.config, 8, 16,
                                                          jnp.bfloat16)),
                  KVStateError, r"PagedKVState.kv_pages: dtype bfloat16 does not match",
                  id="state of the wrong dtype"),
-    pytest.param(lambda ctx: _state_step(ctx, init_state(ctx.model.config, 8, 16, 4, 8).replace(
-        lengths=jnp.zeros(3, jnp.int32))), KVStateError, r"PagedKVState.lengths",
+    pytest.param(lambda ctx: _state_step(ctx, init_state(ctx.model.config, 8, 16).replace(
+        kv_pages=jnp.zeros((2, 2, 8, 16, 33)))), KVStateError, r"PagedKVState.kv_pages",
         id="state with a wrong field shape"),
     # --- the batch builder ------------------------------------------------------------------
     pytest.param(_batch(Row(4, GOOD, 0, [0])), ValueError, "slot 4 is out of range",
@@ -248,8 +250,8 @@ def test_bad_input_is_named_and_nothing_is_lost(tiny_model, checkpoint, expected
                                                 call, error, match):
     llm = LLM(tiny_model, **SMALL)
     engine = llm.engine
-    engine.add_request("inflight", prompt_token_ids=IN_FLIGHT, sampling_params=greedy())
-    for _ in range(3):  # two prefill chunks and a decode: the request is mid-flight
+    engine.add_request("inflight", prompt_token_ids=IN_FLIGHT, sampling_params=greedy(40))
+    for _ in range(3):  # two prefill chunks and a decode loop: the request is mid-flight
         engine.step()
     ctx = types.SimpleNamespace(model=tiny_model, engine=engine, llm=llm, tmp=tmp_path,
                                 checkpoint=checkpoint)

@@ -13,7 +13,8 @@ import pytest
 import jaxkv
 from jaxkv import Engine, SamplingParams
 from jaxkv.kv import init_state
-from jaxkv.runtime.batch import Row, build_batch
+from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
+from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 
 RNG = np.random.default_rng(21)
@@ -87,11 +88,13 @@ def test_logits_are_bitwise_identical_for_identical_steps(tiny_model):
     c = tiny_model.config
     steps = make_steps(tiny_model.graphdef, "reference")
     rows = [Row(0, PROBES[0], 0, [0, 1, 2]), Row(1, PROBES[2], 0, [3, 4, 5, 6])]
-    batch = build_batch(rows, page_size=16, num_pages=8, max_seqs=4, max_pages_per_seq=8)
+    total = sum(len(r.tokens) for r in rows)
+    batch = build_batch(rows, PageTable(4, 8, 8, 16), tokens_bucket=pow2(max(total, 16)))
     results = []
     for _ in range(2):
-        state = init_state(c, 8, 16, 4, 8)
-        logits, state = steps.prefill(tiny_model.params, state, batch)
+        state = init_state(c, 8, 16)
+        _, logits, state = steps.step(tiny_model.params, state, batch, np.zeros((4, 2), np.uint32),
+                                      SamplingArrays.greedy(4))
         results.append((np.asarray(logits), np.asarray(state.kv_pages)))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])

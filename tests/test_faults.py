@@ -53,7 +53,7 @@ def _reach(engine, phase, vocab):
     """Adds request "x" and steps until it is in `phase`; other requests keep it company."""
     rng = np.random.default_rng(3)
     other = rng.integers(4, vocab, 20).tolist()
-    engine.add_request("other", prompt_token_ids=other, sampling_params=greedy(12))
+    engine.add_request("other", prompt_token_ids=other, sampling_params=greedy(60))
     prompt = rng.integers(4, vocab, 40).tolist()
     n = 3 if phase == "forked" else 1
     sp = SamplingParams(n=n, seed=5, max_tokens=12) if n > 1 else greedy(12)
@@ -125,22 +125,22 @@ def faulty(steps: Steps, fail_at: int, mode: str) -> Steps:
     calls = [0]
 
     def wrap(fn):
-        def run(params, state, batch):
+        def run(params, state, *batch):
             calls[0] += 1
             if calls[0] != fail_at:
-                return fn(params, state, batch)
+                return fn(params, state, *batch)
             if mode == "late":
-                logits, state = fn(params, state, batch)
-                for leaf in jax.tree.leaves((logits, state)):
+                out = fn(params, state, *batch)
+                for leaf in jax.tree.leaves(out):
                     leaf.delete()
-                return logits, state
+                return out
             if mode == "consume":
                 for leaf in jax.tree.leaves(state):
                     leaf.delete()
             raise InjectedFault("injected device fault")
         return run
 
-    return Steps(prefill=wrap(steps.prefill), decode=wrap(steps.decode))
+    return steps._replace(step=wrap(steps.step), decode_loop=wrap(steps.decode_loop))
 
 
 @pytest.mark.parametrize("mode", ["raise", "consume", "late"])

@@ -31,7 +31,8 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.model import UnsupportedModelError
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.loading import CheckpointError
-from jaxkv.runtime.batch import Row, build_batch
+from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
+from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 from pallas_kernels.reference import dense_causal_attention
 
@@ -103,8 +104,8 @@ def paged_prefill_logits(model, prompts, *, split=None, page_size=PAGE_SIZE,
     need = [-(-(len(p) + reserve) // page_size) for p in prompts]
     allocator = PageAllocator(sum(need))
     pages = [allocator.allocate(n) for n in need]
-    state = jaxkv.init_state(cfg, allocator.num_pages, page_size, len(prompts), max(need),
-                             model.dtype)
+    state = jaxkv.init_state(cfg, allocator.num_pages, page_size, model.dtype)
+    table = PageTable(len(prompts), max(need), allocator.num_pages, page_size)
     steps = make_steps(model.graphdef, "auto")  # the cache key `jaxkv.generate` uses
     bounds = [[(0, len(p))] for p in prompts] if split is None else [
         [(0, s), (s, len(p))] for p, s in zip(prompts, split, strict=True)]
@@ -112,10 +113,12 @@ def paged_prefill_logits(model, prompts, *, split=None, page_size=PAGE_SIZE,
     for step in range(len(bounds[0])):
         rows = [Row(slot, p[b[step][0]:b[step][1]], b[step][0], pg)
                 for slot, (p, b, pg) in enumerate(zip(prompts, bounds, pages, strict=True))]
-        batch = build_batch(rows, page_size=page_size, num_pages=allocator.num_pages,
-                            max_seqs=len(prompts), max_pages_per_seq=max(need),
+        total = sum(len(r.tokens) for r in rows)
+        batch = build_batch(rows, table, tokens_bucket=pow2(max(total, 16)),
                             vocab_size=cfg.vocab_size)
-        logits, state = steps.prefill(model.params, state, batch)
+        _, logits, state = steps.step(model.params, state, batch,
+                                      np.zeros((len(prompts), 2), np.uint32),
+                                      SamplingArrays.greedy(len(prompts)))
         out.append(np.asarray(logits)[: len(prompts)])
     return out
 

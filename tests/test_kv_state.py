@@ -9,55 +9,48 @@ from jaxkv.kv import KVStateError, PagedKVState, init_state, write_kv
 
 
 def test_init_state_shapes(tiny_config):
-    s = init_state(tiny_config, num_pages=10, page_size=4, max_seqs=3, max_pages_per_seq=5)
+    s = init_state(tiny_config, num_pages=10, page_size=4)
     assert s.kv_pages.shape == (2, 2, 10, 4, 32)  # head_dim 16: keys and values side by side
     assert s.head_dim == 16
-    assert (s.num_pages, s.page_size, s.max_seqs, s.max_pages_per_seq) == (10, 4, 3, 5)
-    assert s.page_table.dtype == jnp.int32 and s.lengths.shape == (3,)
+    assert (s.num_layers, s.num_kv_heads, s.num_pages, s.page_size) == (2, 2, 10, 4)
     s.validate_for(tiny_config)
 
 
-@pytest.mark.parametrize("field, change", [
-    ("kv_pages", lambda s: dict(kv_pages=s.kv_pages[0])),
-    ("kv_pages", lambda s: dict(kv_pages=s.kv_pages[..., :-1])),
-    ("page_table", lambda s: dict(page_table=s.page_table.astype(jnp.float32))),
-    ("page_table", lambda s: dict(page_table=s.page_table[0])),
-    ("lengths", lambda s: dict(lengths=s.lengths[:-1])),
-    ("lengths", lambda s: dict(lengths=s.lengths.astype(jnp.int16))),
+@pytest.mark.parametrize("change", [
+    lambda s: s.kv_pages[0],  # rank 4
+    lambda s: s.kv_pages[..., :-1],  # an odd last axis: not keys and values side by side
 ])
-def test_wrong_field_is_named(tiny_config, field, change):
-    s = init_state(tiny_config, 4, 4, 3, 2)
-    fields = dict(kv_pages=s.kv_pages, page_table=s.page_table, lengths=s.lengths)
-    fields.update(change(s))
-    with pytest.raises(KVStateError, match=f"PagedKVState.{field}"):
-        PagedKVState(**fields)
+def test_wrong_field_is_named(tiny_config, change):
+    s = init_state(tiny_config, 4, 4)
+    with pytest.raises(KVStateError, match="PagedKVState.kv_pages"):
+        PagedKVState(kv_pages=change(s))
 
 
 def test_state_for_another_model_is_rejected(tiny_config):
     import dataclasses
 
     other = dataclasses.replace(tiny_config, num_kv_heads=4)
-    s = init_state(other, 4, 4, 2, 2)
+    s = init_state(other, 4, 4)
     with pytest.raises(KVStateError, match="kv_pages"):
         s.validate_for(tiny_config)
 
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(page_size=12), "page_size"), (dict(num_pages=0), "num_pages"),
-    (dict(max_seqs=-1), "max_seqs"), (dict(max_pages_per_seq=1.5), "max_pages_per_seq"),
+    (dict(num_pages=2.5), "num_pages"), (dict(page_size=True), "page_size"),
 ])
 def test_init_state_rejects_bad_sizes(tiny_config, kwargs, field):
-    args = dict(num_pages=4, page_size=4, max_seqs=2, max_pages_per_seq=2) | kwargs
+    args = dict(num_pages=4, page_size=4) | kwargs
     with pytest.raises(ValueError, match=field):
         init_state(tiny_config, **args)
 
 
 def test_state_is_a_pytree_through_jit(tiny_config):
-    s = init_state(tiny_config, 4, 4, 2, 2)
-    out = jax.jit(lambda s: s.replace(lengths=s.lengths + 1))(s)
+    s = init_state(tiny_config, 4, 4)
+    out = jax.jit(lambda s: s.replace(kv_pages=s.kv_pages + 1))(s)
     assert isinstance(out, PagedKVState)
-    np.testing.assert_array_equal(out.lengths, np.ones(2, np.int32))
-    np.testing.assert_array_equal(s.lengths, np.zeros(2, np.int32))  # the input is unchanged
+    np.testing.assert_array_equal(out.kv_pages, np.ones(s.kv_pages.shape, np.float32))
+    np.testing.assert_array_equal(s.kv_pages, np.zeros(s.kv_pages.shape, np.float32))
 
 
 def test_write_kv_places_tokens_and_drops_padding():

@@ -48,6 +48,48 @@ def test_top_p_keeps_the_smallest_covering_set():
     assert set(_draw(logits, 500, top_p=0.5).tolist()) == {0}
 
 
+def _expected(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """The distribution vLLM samples from: top-k by rank, then the smallest nucleus."""
+    x = logits.astype(np.float64) / temperature
+    order = np.argsort(-x, kind="stable")
+    keep = np.zeros(x.size, bool)
+    keep[order[:top_k if top_k > 0 else x.size]] = True
+    p = np.where(keep, np.exp(x - x.max()), 0.0)
+    p /= p.sum()
+    cum = np.cumsum(p[order])
+    nucleus = order[(cum - p[order]) < top_p]
+    out = np.zeros(x.size)
+    out[nucleus] = p[nucleus]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("vocab, row", [
+    (40, dict(temperature=0.8, top_k=7)),
+    (40, dict(temperature=1.3, top_p=0.6)),
+    (40, dict(temperature=1.0, top_k=10, top_p=0.5)),
+    # Past the candidate cap: top-k and the nucleus are found by bisection instead.
+    (2000, dict(temperature=1.0, top_k=300)),
+    (2000, dict(temperature=5.0, top_p=0.5)),
+])
+def test_filtered_sampling_matches_the_exact_distribution(vocab, row):
+    from jaxkv.runtime.sampling import TOP_K_CAP
+
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    want = _expected(logits, **row)
+    if vocab > TOP_K_CAP:  # the case really is past the cap
+        assert np.count_nonzero(want) > TOP_K_CAP
+    n = 6000
+    draws = _draw(logits, n, **row)
+    assert want[draws].min() > 0  # never a token outside the kept set
+    if vocab <= 40:
+        freq = np.bincount(draws, minlength=vocab) / n
+        np.testing.assert_allclose(freq, want, atol=0.025, rtol=0)
+    else:  # too many tokens for per-token frequencies: compare the kept set's size
+        kept = np.count_nonzero(want)
+        assert abs(len(set(draws.tolist())) - min(kept, n)) <= 0.35 * kept
+
+
 def test_rows_use_their_own_keys_and_steps():
     logits = np.zeros((2, 1000), np.float32)
     keys = _keys(2)

@@ -1,36 +1,46 @@
-"""`Engine.warmup` compiles every step program serving can need: afterwards a busy, varied
-workload (chunked prefills, decodes, forks, prefix copies, preemption) compiles nothing new."""
+"""`Engine.warmup` compiles every program serving can need: afterwards a busy, varied
+workload (chunked prefills, decodes, decode loops, forks, prefix copies, preemption, every
+sampling mode) compiles nothing new, counted by jax's own compile events."""
 
 import numpy as np
+import pytest
 
 from jaxkv import Engine, SamplingParams
-from jaxkv.runtime.page_copy import copy_pages
-from jaxkv.runtime.sampling import sample
+from jaxkv.runtime.compiles import count_compiles
 
 
-def programs(engine):
-    return (engine.steps.prefill._cache_size(), engine.steps.decode._cache_size(),
-            sample._cache_size(), copy_pages._cache_size())
-
-
-def test_after_warmup_serving_compiles_nothing(tiny_model, tiny_config):
-    engine = Engine(tiny_model, page_size=4, num_pages=20, max_num_seqs=4, max_model_len=64,
-                    max_num_batched_tokens=24)
-    shapes = engine.warmup()
-    assert shapes == len(engine.step_shapes()) and shapes > 10
-    before = programs(engine)
-    rng = np.random.default_rng(5)
-    shared = rng.integers(4, tiny_config.vocab_size, 10).tolist()
-    for i in range(40):
-        tail = rng.integers(4, tiny_config.vocab_size, int(rng.integers(1, 30))).tolist()
+def _serve_varied(engine, vocab, seed=5, n_requests=40):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(4, vocab, 10).tolist()
+    modes = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=0.9, top_k=5),
+             dict(temperature=1.0, top_p=0.8), dict(temperature=0.0, stop_token_ids=[7, 8])]
+    for i in range(n_requests):
+        tail = rng.integers(4, vocab, int(rng.integers(1, 30))).tolist()
         prompt = (shared if i % 2 else []) + tail
-        sp = SamplingParams(n=int(rng.integers(1, 3)), temperature=0.7, seed=i,
-                            max_tokens=int(rng.integers(1, 12)))
+        sp = SamplingParams(n=int(rng.integers(1, 3)), seed=i,
+                            max_tokens=int(rng.integers(1, 12)), **modes[i % len(modes)])
         engine.add_request(str(i), prompt_token_ids=prompt, sampling_params=sp)
         for _ in range(int(rng.integers(0, 4))):
             engine.step()
     while engine.has_unfinished_requests():
         engine.step()
         engine.check()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_after_warmup_serving_compiles_nothing(tiny_model, tiny_config, debug):
+    engine = Engine(tiny_model, page_size=4, num_pages=20, max_num_seqs=4, max_model_len=64,
+                    max_num_batched_tokens=24, debug_nan_freed_pages=debug)
+    assert engine.warmup() == len(engine.programs())
+    with count_compiles() as serving:
+        _serve_varied(engine, tiny_config.vocab_size)
     assert engine.stats().preemptions > 0
-    assert programs(engine) == before
+    assert serving.count == 0
+
+
+def test_default_config_has_few_programs(tiny_model):
+    engine = Engine(tiny_model, num_pages=64)  # max_num_seqs 32, 512 tokens per step
+    kinds = [kind for kind, _ in engine.programs()]
+    assert len(kinds) <= 16
+    assert kinds.count("step") == 6  # token buckets 16 ... 512
+    assert kinds.count("decode_loop") == 4  # row buckets 1, 4, 16, 32

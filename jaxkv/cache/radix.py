@@ -78,6 +78,8 @@ class RadixCache:
         self._held_pages = 0
         self._stats = dict(query_tokens=0, hit_tokens=0, inserted_tokens=0, evicted_tokens=0,
                            evicted_pages=0)
+        self.version = 0  # changes whenever entries are added or dropped: matches may differ
+        self._leaves: dict[int, _Node] = {}  # every non-root node without children, by id
 
     def match_prefix(self, tokens: Sequence[int], salt: str | None = None, *,
                      peek: bool = False) -> PrefixMatch:
@@ -166,8 +168,11 @@ class RadixCache:
 
     def _add_leaf(self, parent: _Node, key: list[int], pages: list[int]) -> _Node:
         self.allocator.share(pages)  # all or nothing: a bad page id changes no state
+        self.version += 1
         leaf = _Node(key, parent.end, pages, parent, next(self._ids))
         parent.children[key[0]] = leaf
+        self._leaves.pop(parent.id, None)
+        self._leaves[leaf.id] = leaf
         self._cached_tokens += len(key)
         self._held_pages += len(pages)
         return leaf
@@ -201,8 +206,7 @@ class RadixCache:
         Returns the number of pages that became free.
         """
         free_before = self.allocator.num_free
-        heap = [(n.last_access, n.id, n) for n in self._nodes()
-                if n.parent is not None and not n.children and n.lock == 0]
+        heap = [(n.last_access, n.id, n) for n in self._leaves.values() if n.lock == 0]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
@@ -228,6 +232,7 @@ class RadixCache:
         """Drops the leaf's pages from the tail until `need` pages are free; if that is not
         enough, drops the whole leaf. A tail cut keeps the leaf ending on a page boundary."""
         s, free_before = self.page_size, self.allocator.num_free
+        self.version += 1
         first = leaf.start // s
         while len(leaf.pages) > 1 and self.allocator.num_free - free_before < need:
             self.allocator.free([leaf.pages.pop()])
@@ -244,6 +249,9 @@ class RadixCache:
         self._stats["evicted_tokens"] += len(leaf.key)
         del leaf.parent.children[leaf.key[0]]
         leaf.alive = False
+        del self._leaves[leaf.id]
+        if leaf.parent.parent is not None and not leaf.parent.children:
+            self._leaves[leaf.parent.id] = leaf.parent
 
     def held_pages(self) -> list[int]:
         """Every page the cache holds a reference on, one entry per reference."""
@@ -271,6 +279,8 @@ class RadixCache:
         s, tokens, held = self.page_size, 0, []
         for salt, root in self._roots.items():
             assert root.parent is None and not root.key and not root.pages, f"root {salt!r}"
+        leaves = {n.id for n in self._nodes() if n.parent is not None and not n.children}
+        assert leaves == set(self._leaves), "the leaf index disagrees with the tree"
         for n in self._nodes():
             assert n.alive, "an evicted node is still in the tree"
             below = sum(c.lock for c in n.children.values())
@@ -318,8 +328,12 @@ def _path(node: _Node) -> Iterator[_Node]:
 
 
 def _common_len(key: list[int], tokens: Sequence[int], pos: int) -> int:
-    """Length of the common prefix of `key` and tokens[pos:]."""
-    m, limit = 0, min(len(key), len(tokens) - pos)
+    """Length of the common prefix of `key` and tokens[pos:] (whole runs compared as slices,
+    in C, then the first differing run token by token)."""
+    limit = min(len(key), len(tokens) - pos)
+    m, run = 0, 64
+    while m + run <= limit and key[m:m + run] == list(tokens[pos + m:pos + m + run]):
+        m += run
     while m < limit and key[m] == tokens[pos + m]:
         m += 1
     return m

@@ -1,15 +1,20 @@
 """Engine: continuous batching over the paged KV cache, with prefix caching and n-way samples.
 
 One step: the scheduler plans (host) -> page copies run (device: prefix reuse of a partly
-matched page, copy-on-write) -> one jitted forward over every scheduled row -> per-request
-sampling -> bookkeeping (host). Decode rows and prefill chunks go through one ragged `prefill`
-call, so the weights are read once per step; a step whose rows all have one token uses the
-`decode` program (and kernel).
+matched page, copy-on-write) -> device work -> bookkeeping (host). The device work is one of
+two programs (`jaxkv.runtime.steps`):
 
-Shapes: rows are padded to at least MIN_ROWS (capped by max_num_seqs) and the page table to its
-full width (max_model_len / page_size): the kernels stop at each row's length, so width costs
-no device work, and fixing it removes an axis of programs to compile; tokens and rows are
-bucketed by `build_batch`.
+- a ragged ``step`` when any row has a prefill chunk: every scheduled row (decodes and chunks)
+  in one flattened batch, so the weights are read once, each row's next token sampled on
+  device;
+- a ``decode_loop`` when only decodes run and nothing waits: up to ``max_decode_steps`` decode
+  steps on device with sampling and stop checks there, pages for them reserved beforehand, the
+  tokens read back once.
+
+Shapes: the step is one program per token bucket (powers of two from 16 to
+max_num_batched_tokens) with rows = slots (max_num_seqs) and the page table at its full width;
+the decode loop one per row bucket. Width costs nothing: the kernels and the jnp reference stop
+at each row's length. `Engine.programs` lists every program; `warmup` compiles them.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from jaxkv.attention import check_page_size, kernel_for
+from jaxkv.attention import check_page_size
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine import warmup as compile_ahead
@@ -32,20 +37,33 @@ from jaxkv.engine.request import (
     EngineStats,
     Request,
     RequestOutput,
+    RequestStatus,
     request_metrics,
 )
 from jaxkv.engine.scheduler import ScheduledRow, Scheduler
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
-from jaxkv.runtime.batch import build_batch
+from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
-from jaxkv.runtime.steps import make_steps
+from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.sharding import shard, shard_state
 
-MIN_ROWS = 8
 _log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Loop:
+    """A dispatched decode loop: its rows, the host's view of their inputs, its outputs."""
+
+    plan: object  # the SchedulerOutput whose decode rows it runs
+    starts: list[int]  # position of each row's pending token at the loop's start
+    limits: list[int]  # tokens each row may sample in it
+    generated: list[int]  # output tokens of each row at its start
+    table: np.ndarray  # the page table it was given (host)
+    after: DecodeLoopBatch  # device: the inputs of a continuation
+    read: object  # () -> ("loop", tokens per row)
 
 
 @dataclasses.dataclass
@@ -71,13 +89,19 @@ class Engine:
     read of a stale page (another request's, or a finished one's) would surface as NaN.
     ``mesh`` (`jaxkv.sharding.make_mesh`): tensor parallelism, the model and KV pages split by
     head over its devices; the host side is the same, one page table for all shards.
+    ``max_decode_steps``: decode steps one `decode_loop` may run on device between two host
+    reads (1: every step goes back to the host). A loop runs only while no request waits,
+    and stops early when every row is done. ``async_scheduling``: while decode loops run,
+    dispatch the next loop (continuing from the device's own tokens) before reading the
+    current one, so the host's reading, bookkeeping and reservation overlap device work; a
+    request arriving meanwhile waits for at most the loop in flight.
     """
 
     def __init__(self, model: Model, *, page_size: int = 16, num_pages: int,
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  attention_impl: str = "auto", seed: int = 0, debug_nan_freed_pages: bool = False,
-                 mesh=None):
+                 mesh=None, max_decode_steps: int = 8, async_scheduling: bool = True):
         if mesh is not None:  # tensor parallel: weights and KV pages split by head
             model = shard(model, mesh)
         cfg = model.config
@@ -101,11 +125,14 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.mesh = mesh
-        self.steps = make_steps(model.graphdef, attention_impl, mesh)
-        # The Pallas kernels are ragged: the longest row (Q) is no shape for them, so one
-        # program per (T, B) serves every Q. Only the jnp reference sizes its work by Q.
-        self.q_is_shape = kernel_for(attention_impl) == "reference"
-        self.min_rows = min(MIN_ROWS, max_num_seqs)
+        _positive_int("max_decode_steps", max_decode_steps)
+        self.steps = make_steps(model.graphdef, attention_impl, mesh, max_decode_steps)
+        self.token_buckets = ladder(max(max_num_batched_tokens, max_num_seqs))
+        self.row_buckets = tuple(sorted({min(4 ** i, max_num_seqs)
+                                         for i in range(max_num_seqs.bit_length())}
+                                        | {max_num_seqs}))
+        self.copy_buckets = tuple(sorted({8, max(8, pow2(2 * max_num_seqs))}))
+        self.page_table = PageTable(max_num_seqs, self.max_pages_per_seq, num_pages, page_size)
         self.debug_nan_freed_pages = debug_nan_freed_pages
         self.allocator = PageAllocator(num_pages, track_freed=debug_nan_freed_pages)
         self.radix = RadixCache(self.allocator, page_size) if enable_prefix_caching else None
@@ -117,10 +144,11 @@ class Engine:
         self._requests: dict[str, _Entry] = {}  # unfinished, by id
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._num_added = self._prompt_tokens = self._steps = 0
+        self.async_scheduling = bool(async_scheduling)
+        self._inflight: _Loop | None = None  # a loop dispatched ahead, its tokens unread
 
     def _new_state(self):
-        state = init_state(self.model.config, self.num_pages, self.page_size, self.max_num_seqs,
-                           self.max_pages_per_seq, self.model.dtype)
+        state = init_state(self.model.config, self.num_pages, self.page_size, self.model.dtype)
         return state if self.mesh is None else shard_state(state, self.mesh)
 
     # ---- requests ------------------------------------------------------------------------
@@ -228,7 +256,7 @@ class Engine:
     # ---- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the (cumulative) output of each request that got a token
+        """Runs one step; returns the (cumulative) output of each request that got tokens
         or finished in it, and of requests aborted since the last step.
 
         If the device step (or sampling) raises, the requests in it fail with finish_reason
@@ -236,55 +264,210 @@ class Engine:
         the failure consumed the KV state, it is rebuilt and the other running requests
         recompute their KV (as after a preemption).
         """
+        return self.collect(self.dispatch())
+
+    def dispatch(self):
+        """The first half of `step`: plans and launches the device work without waiting for
+        it (a `ReplicatedEngine` launches every replica's before collecting any). With a loop
+        in flight, it dispatches that loop's continuation and hands over the loop in flight."""
         outputs, self._pending = self._pending, []
+        if self._inflight is not None:
+            current, self._inflight = self._inflight, None
+            try:
+                self._inflight = self._chain(current)
+            except Exception as e:  # noqa: BLE001
+                return outputs, current.plan, None, e
+            return outputs, current.plan, current.read, None
         plan = self.scheduler.schedule()
         try:
-            sampled = self._run(plan)
+            launched = self._launch(plan)
+            if isinstance(launched, _Loop):
+                self._inflight = self._chain(launched)
+                launched = launched.read
         except Exception as e:  # noqa: BLE001 - any failure of the step fails its requests
-            return outputs + self._fail(plan, e)
-        if sampled is None:
+            return outputs, plan, None, e
+        return outputs, plan, launched, None
+
+    def collect(self, dispatched) -> list[RequestOutput]:
+        """The second half of `step`: reads the tokens back and updates the requests."""
+        outputs, plan, launched, error = dispatched
+        if error is None and launched is not None:
+            try:
+                sampled = launched()
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is not None:
+            self._inflight = None  # a continuation of the failed requests, if any
+            return outputs + self._fail(plan, error)
+        if launched is None:
             return outputs
-        progressed = self.scheduler.update(plan, sampled, time.time())
+        kind, tokens = sampled
+        update = self.scheduler.update if kind == "step" else self.scheduler.update_loop
+        progressed = update(plan, tokens, time.time())
         for rid in dict.fromkeys(r.request_id for r in progressed):
             entry = self._requests[rid]
             out = self._output(rid, entry)
             if out.finished:
                 del self._requests[rid]
             outputs.append(out)
+        if self._inflight is not None and all(
+                r.request.is_done for r in self._inflight.plan.decode_rows):
+            self._inflight = None  # every row it continues has finished: nothing to read
         return outputs
 
-    def _run(self, plan) -> list[list[int] | None] | None:
-        """The device part of a step: page poisoning and copies, the forward, sampling."""
+    def _launch(self, plan):
+        """Dispatches the device part of a step (page poisoning and copies, then a ragged
+        step or a decode loop); returns a function that reads its tokens back: for each
+        row, a list of tokens per sample (None for a row still prefilling)."""
         if self.debug_nan_freed_pages:  # poison what is free now: a later read would show NaN
             freed = self.allocator.drain_freed()
             if freed:
-                self.state = fill_pages_padded(self.state, freed, float("nan"))
+                self.state = fill_pages_padded(self.state, freed, float("nan"),
+                                               self.copy_buckets[-1])
         if plan.copies:
-            self.state = copy_pages_padded(self.state, plan.copies)
-        rows = plan.rows
-        if not rows:
+            self.state = copy_pages_padded(self.state, plan.copies, self.copy_buckets)
+        if not plan.rows:
             return None
-        batch = build_batch(rows, page_size=self.page_size, num_pages=self.num_pages,
-                            max_seqs=self.max_num_seqs, max_pages_per_seq=self.max_pages_per_seq,
-                            vocab_size=self.model.config.vocab_size,
-                            min_tokens=self.min_rows, min_rows=self.min_rows)
-        table = batch.page_table
-        batch = batch.replace(page_table=np.pad(
-            table, ((0, 0), (0, self.max_pages_per_seq - table.shape[1]))))
-        if batch.max_q_len > 1 and not self.q_is_shape:
-            batch = batch.replace(max_q_len=batch.tokens.shape[0])
-        run = self.steps.decode if batch.max_q_len == 1 else self.steps.prefill
-        logits, self.state = run(self.model.params, self.state, batch)
-        self._steps += 1
-        return self._sample(logits, rows)
+        n = self._loop_steps(plan)
+        if n > 1:
+            return self._launch_loop(plan, n)
+        return self._launch_step(plan.rows)
 
-    def step_shapes(self) -> list[tuple[int, int, int]]:
-        """The (T tokens, B rows, Q longest row) of every step program this engine can run."""
-        return compile_ahead.engine_step_shapes(self)
+    def _launch_step(self, rows: list[ScheduledRow]):
+        batch = build_batch(rows, self.page_table,
+                            tokens_bucket=fit(sum(len(r.tokens) for r in rows),
+                                              self.token_buckets),
+                            vocab_size=self.model.config.vocab_size)
+        keys, arrays = self._sampling([(r.slot, r.samples[0]) for r in rows if r.samples])
+        tokens, logits, self.state = self.steps.step(self.model.params, self.state, batch, keys,
+                                                     arrays)
+        self._steps += 1
+        extra = []  # a forking row's samples 1..n-1 draw from the same logits
+        for k in range(1, max((len(r.samples) for r in rows), default=0)):
+            keys, arrays = self._sampling([(r.slot, r.samples[k]) for r in rows
+                                           if len(r.samples) > k])
+            extra.append(sample(logits, keys, arrays))
+
+        def read():
+            drawn = [np.asarray(tokens)] + [np.asarray(x) for x in extra]  # [sample][slot]
+            return "step", [[int(d[r.slot]) for d in drawn[:len(r.samples)]] if r.samples
+                            else None for r in rows]
+        return read
+
+    def _sampling(self, seqs, rows: int | None = None):
+        """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""
+        b = self.max_num_seqs if rows is None else rows
+        keys = np.zeros((b, 2), np.uint32)
+        temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
+        top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
+        for i, seq in seqs:
+            sp = seq.sampling_params
+            keys[i], step[i] = seq.key, seq.num_output_tokens
+            temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+        return keys, SamplingArrays(temperature, top_k, top_p, step)
+
+    def _stop_ids(self, seq) -> list[int]:
+        sp = seq.sampling_params
+        eos = () if sp.ignore_eos else self.model.config.eos_token_ids
+        return list(dict.fromkeys((*sp.stop_token_ids, *eos)))
+
+    def _loop_steps(self, plan) -> int:
+        """How many decode steps to run on device for this plan (1: a plain step): only
+        decodes, no request waiting, and every row's stop ids checkable on device."""
+        if (self.steps.max_decode_steps == 1 or plan.prefill_rows or self.scheduler.waiting
+                or any(len(r.samples) != 1 for r in plan.decode_rows)):
+            return 1
+        left = 0
+        for r in plan.decode_rows:
+            seq = r.samples[0]
+            if len(self._stop_ids(seq)) > MAX_STOP_IDS:
+                return 1
+            left = max(left, seq.sampling_params.max_tokens - seq.num_output_tokens)
+        return min(self.steps.max_decode_steps, left)
+
+    def _launch_loop(self, plan, n: int):
+        rows = plan.decode_rows
+        width = fit(len(rows), self.row_buckets)
+        reqs = [r.request for r in rows]
+        starts = [r.start for r in rows]
+        limits = self.scheduler.reserve(reqs, starts, [  # pages for up to n tokens per row
+            min(n, q.sampling_params.max_tokens - q.num_output_tokens) for q in reqs])
+        keys, arrays = self._sampling([(i, r.samples[0]) for i, r in enumerate(rows)], width)
+        tokens = np.zeros(width, np.int32)
+        positions = np.zeros(width, np.int32)
+        live = np.zeros(width, bool)
+        limit, generated = np.zeros(width, np.int32), np.zeros(width, np.int32)
+        min_tokens, max_tokens = np.zeros(width, np.int32), np.ones(width, np.int32)
+        stop_ids = np.full((width, MAX_STOP_IDS), -1, np.int32)
+        table = np.zeros((width, self.max_pages_per_seq), np.int32)
+        for i, r in enumerate(rows):
+            seq = r.request
+            sp = seq.sampling_params
+            self.page_table.update(r.slot, seq.pages, r.start, r.owner)
+            table[i] = self.page_table.table[r.slot]
+            tokens[i], positions[i], live[i], limit[i] = r.tokens[0], r.start, True, limits[i]
+            generated[i] = seq.num_output_tokens
+            min_tokens[i], max_tokens[i] = sp.min_tokens, sp.max_tokens
+            ids = self._stop_ids(seq)
+            stop_ids[i, :len(ids)] = ids
+        loop = DecodeLoopBatch(
+            tokens=tokens, positions=positions, page_table=table, live=live, limit=limit,
+            generated=generated, min_tokens=min_tokens, max_tokens=max_tokens,
+            stop_ids=stop_ids, keys=keys, temperature=arrays.temperature, top_k=arrays.top_k,
+            top_p=arrays.top_p, num_steps=np.int32(n))
+        return self._run_loop(plan, loop, starts, limits, [q.num_output_tokens for q in reqs],
+                              table)
+
+    def _run_loop(self, plan, loop: DecodeLoopBatch, starts, limits, generated, table) -> _Loop:
+        out, after, self.state = self.steps.decode_loop(self.model.params, self.state, loop)
+        rows = len(plan.decode_rows)
+
+        def read():
+            got = np.asarray(out)
+            self._steps += int((got >= 0).any(axis=1).sum())
+            return "loop", [[int(t) for t in got[:, i] if t >= 0] for i in range(rows)]
+        return _Loop(plan, starts, limits, generated, table, after, read)
+
+    def _chain(self, current: _Loop) -> _Loop | None:
+        """Dispatches the continuation of a loop whose tokens are not read yet, or returns
+        None: when a request waits, or the loop no longer holds every running sequence.
+
+        The continuation takes each row's pending token, position and liveness from the
+        device; the host reserves pages past the furthest position the row can have reached.
+        A row that stopped on device stays stopped; one that ends on the host meanwhile (an
+        abort) ends the chain before its pages can be reused, and a stale write is ordered
+        before any later program on the device."""
+        reqs = [r.request for r in current.plan.decode_rows]
+        if (not self.async_scheduling or self.scheduler.waiting or self._pending
+                or len(reqs) != len(self.scheduler.running)
+                or any(q.status is not RequestStatus.RUNNING for q in reqs)):
+            return None
+        starts = [s + k for s, k in zip(current.starts, current.limits, strict=True)]
+        generated = [g + k for g, k in zip(current.generated, current.limits, strict=True)]
+        left = [q.sampling_params.max_tokens - g for q, g in zip(reqs, generated, strict=True)]
+        n = min(self.steps.max_decode_steps, max(left))
+        if n < 1:
+            return None
+        limits = self.scheduler.reserve(reqs, starts, [min(n, x) for x in left])
+        if not any(limits):
+            return None
+        table = current.table.copy()  # rows hold the same slots as before
+        limit = np.zeros(table.shape[0], np.int32)
+        for i, (row, q) in enumerate(zip(current.plan.decode_rows, reqs, strict=True)):
+            self.page_table.update(row.slot, q.pages, starts[i], row.owner)
+            table[i] = self.page_table.table[row.slot]
+            limit[i] = limits[i]
+        loop = current.after.replace(page_table=table, limit=limit, num_steps=np.int32(n))
+        return self._run_loop(current.plan, loop, starts, limits, generated, table)
+
+    def programs(self) -> list[tuple[str, int]]:
+        """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
+        ("copy_pages", N), ("sample", B), and ("fill_pages", N) with debug_nan_freed_pages."""
+        return compile_ahead.engine_programs(self)
 
     def warmup(self) -> int:
-        """Compiles every program serving can run, so no request waits on a compile; returns
-        the number of step shapes (see `jaxkv.engine.warmup`)."""
+        """Compiles every program serving can run (`programs`), so no request waits on a
+        compile; returns how many (see `jaxkv.engine.warmup`)."""
         return compile_ahead.warmup(self)
 
     def _state_lost(self) -> bool:
@@ -319,27 +502,6 @@ class Engine:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.state = self._new_state()
         return outputs
-
-    def _sample(self, logits, rows: list[ScheduledRow]) -> list[list[int] | None]:
-        """One token per sample of each sampling row. A forking row has n samples: round r
-        samples the r-th of every row from the same logits (same shapes: no new program)."""
-        b = logits.shape[0]
-        out: list[list[int] | None] = [[] if r.samples else None for r in rows]
-        for r in range(max((len(row.samples) for row in rows), default=0)):
-            keys = np.zeros((b, 2), np.uint32)
-            temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
-            top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
-            live = [i for i, row in enumerate(rows) if r < len(row.samples)]
-            for i in live:
-                seq = rows[i].samples[r]
-                sp = seq.sampling_params
-                keys[i], step[i] = seq.key, seq.num_output_tokens
-                temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-            tokens = np.asarray(sample(logits, keys,
-                                       SamplingArrays(temperature, top_k, top_p, step)))
-            for i in live:
-                out[i].append(int(tokens[i]))
-        return out
 
     def _output(self, request_id: str, entry: _Entry) -> RequestOutput:
         tok = self.model.tokenizer

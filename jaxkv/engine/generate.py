@@ -16,8 +16,8 @@ import numpy as np
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
-from jaxkv.runtime.batch import Row, build_batch
-from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
+from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
+from jaxkv.runtime.sampling import SamplingArrays, request_key
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
 
@@ -117,7 +117,8 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     for s, n in zip(seqs, pages_per_seq, strict=True):
         s.pages = allocator.allocate(n)
     width = max(pages_per_seq)
-    state = init_state(cfg, allocator.num_pages, page_size, len(seqs), width, model.dtype)
+    state = init_state(cfg, allocator.num_pages, page_size, model.dtype)
+    table = PageTable(len(seqs), width, allocator.num_pages, page_size)
     steps = make_steps(model.graphdef, attention_impl)
     eos = set(cfg.eos_token_ids)
     stats = GenerationStats(prompt_tokens=sum(len(s.prompt) for s in seqs),
@@ -125,21 +126,17 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
                             kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads
                             * cfg.head_dim * np.dtype(model.dtype).itemsize)
 
-    def batch_of(rows):
-        return build_batch(rows, page_size=page_size, num_pages=allocator.num_pages,
-                           max_seqs=len(seqs), max_pages_per_seq=width,
-                           vocab_size=cfg.vocab_size, bucketed=not exact_shapes)
+    def tokens_bucket(n):
+        return -(-n // 16) * 16 if exact_shapes else pow2(max(n, 16))
 
-    def run(step_fn, rows, finishing):
-        """One step; samples a token for each row in `finishing` (a row index -> seq map)."""
+    def run(rows, finishing):
+        """One step; samples a token for each row in `finishing` (a slot -> seq map)."""
         nonlocal state
-        batch = batch_of(rows)
-        logits, state = step_fn(model.params, state, batch)
-        stats.steps += 1
-        if not finishing:
-            return
+        batch = build_batch(rows, table, tokens_bucket=tokens_bucket(sum(len(r.tokens)
+                                                                          for r in rows)),
+                            vocab_size=cfg.vocab_size)
         # Sample every row (rows that are not finishing a prompt are greedy and ignored).
-        b = batch.slots.shape[0]
+        b = len(seqs)
         keys = np.zeros((b, 2), np.uint32)
         temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
         top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
@@ -147,7 +144,12 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
             sp = s.params
             keys[i], step[i] = s.key, len(s.out)
             temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-        tokens = np.asarray(sample(logits, keys, SamplingArrays(temperature, top_k, top_p, step)))
+        tokens, _, state = steps.step(model.params, state, batch, keys,
+                                      SamplingArrays(temperature, top_k, top_p, step))
+        stats.steps += 1
+        if not finishing:
+            return
+        tokens = np.asarray(tokens)
         stats.token_times.append(time.perf_counter() - t0)
         stats.token_counts.append(sum(len(s.out) for s in seqs) + len(finishing))
         for i, s in finishing.items():
@@ -168,13 +170,13 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
                 if rows and take > budget:
                     break
                 rows.append(Row(s.slot, s.prompt[s.prefilled:s.prefilled + take],
-                                s.prefilled, s.pages))
+                                s.prefilled, s.pages, owner=s.slot))
                 s.prefilled += take
                 budget -= take
                 if s.prefilled == len(s.prompt):
-                    finishing[len(rows) - 1] = s
+                    finishing[s.slot] = s
                     pending.remove(s)
-            run(steps.prefill, rows, finishing)
+            run(rows, finishing)
     t1 = time.perf_counter()
     stats.prefill_seconds = t1 - t0
 
@@ -184,11 +186,11 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         if not live:
             break
         if recompute:
-            rows = [Row(s.slot, s.tokens, 0, s.pages) for s in live]
-            run(steps.prefill, rows, dict(enumerate(live)))
+            rows = [Row(s.slot, s.tokens, 0, s.pages, owner=s.slot) for s in live]
         else:
-            rows = [Row(s.slot, s.out[-1:], len(s.tokens) - 1, s.pages) for s in live]
-            run(steps.decode, rows, dict(enumerate(live)))
+            rows = [Row(s.slot, s.out[-1:], len(s.tokens) - 1, s.pages, owner=s.slot)
+                    for s in live]
+        run(rows, {s.slot: s for s in live})
     stats.decode_seconds = time.perf_counter() - t1
     stats.generated_tokens = sum(len(s.out) for s in seqs)
     for s in seqs:

@@ -36,7 +36,8 @@ class LLM:
     ``tensor_parallel_size=N`` splits the model and its KV pages by head over N devices
     (`jaxkv.sharding`); ``data_parallel_size=M`` runs M such replicas on M * N devices behind
     this one LLM, each request routed to the replica caching the longest prefix of its prompt,
-    else the least loaded (`jaxkv.engine.replicas`).
+    else the least loaded (`jaxkv.engine.replicas`). ``max_decode_steps``: decode steps run on
+    device per host round trip while nothing waits (see `Engine`).
     """
 
     def __init__(self, model: Model | str | Path | None = None, *, page_size: int = 16,
@@ -45,7 +46,8 @@ class LLM:
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  attention_impl: str = "auto", seed: int = 0, dtype: str = "float32",
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 max_decode_steps: int = 8):
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
                             ("data_parallel_size", data_parallel_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -74,7 +76,7 @@ class LLM:
         kwargs = dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                       enable_prefix_caching=enable_prefix_caching, attention_impl=attention_impl,
-                      seed=seed)
+                      seed=seed, max_decode_steps=max_decode_steps)
         tp = tensor_parallel_size
         meshes = [make_mesh(tp, devices[r * tp:(r + 1) * tp]) if need > 1 else None
                   for r in range(data_parallel_size)]

@@ -74,12 +74,12 @@ class ReplicatedEngine:
         self.replicas[self._where.pop(request_id)].abort(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica with work (their device work overlaps: dispatch is
-        asynchronous until each step reads its logits back)."""
+        """One step of every replica with work: every replica's device work is dispatched
+        before any replica's tokens are read back, so the replicas compute at the same time."""
+        busy = [e for e in self.replicas if e.has_unfinished_requests() or e._pending]
         outputs = []
-        for e in self.replicas:
-            if e.has_unfinished_requests() or e._pending:
-                outputs += e.step()
+        for e, dispatched in [(e, e.dispatch()) for e in busy]:
+            outputs += e.collect(dispatched)
         for out in outputs:  # (an aborted id may already be reused: keep the new mapping)
             i = self._where.get(out.request_id)
             if out.finished and i is not None and \

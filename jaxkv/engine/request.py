@@ -47,6 +47,8 @@ class Request:
     prefix_handle: object = None  # locked radix path while running
     prefill_end: int = 0  # len(token_ids) at admission: positions below it are prefill work
     forks: list[Request] = dataclasses.field(default_factory=list)  # samples 1..n-1, unborn
+    peeked: tuple | None = None  # ((cache version, tokens), cached prefix) of the last look
+    pages_offered: int = 0  # whole prompt pages already offered to the prefix cache
 
     def __post_init__(self):
         if not self.token_ids:

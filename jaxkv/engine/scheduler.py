@@ -41,6 +41,11 @@ class ScheduledRow:
     request: Request
     samples: tuple[Request, ...] = ()  # sequences sampling from this row's last logits
 
+    @property
+    def owner(self) -> tuple[Request, int]:
+        """Who holds the row's pages since it last got them (see `jaxkv.runtime.batch.Row`)."""
+        return self.request, self.request.num_preemptions
+
 
 @dataclasses.dataclass
 class SchedulerOutput:
@@ -152,7 +157,7 @@ class Scheduler:
         return self.radix is not None and short > 0 and self.radix.evict(short) > 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        if budget == 0 or not self.waiting:
+        if budget == 0 or not self.waiting or not self._free_slots:
             return
         for req in self._waiting_order():
             if budget == 0:
@@ -169,10 +174,18 @@ class Scheduler:
     def _waiting_order(self) -> list[Request]:
         if self.radix is None or len(self.waiting) == 1 or len(self.waiting) > FCFS_QUEUE_LEN:
             return list(self.waiting)
-        hit = {r: self.radix.match_prefix(r.token_ids[:-1], r.cache_salt, peek=True).num_tokens
-               for r in self.waiting}  # a look: no LRU refresh, no hit-rate count
+        hit = {r: self._peek_hit(r) for r in self.waiting}
         return sorted(self.waiting,
                       key=lambda r: (r.num_preemptions == 0, -hit[r], r.arrival_index))
+
+    def _peek_hit(self, req: Request) -> int:
+        """Cached prefix length of a waiting request (a look: no LRU refresh, no hit count),
+        matched again only when the cache or the request's tokens changed since last time."""
+        key = (self.radix.version, len(req.token_ids))
+        if req.peeked is None or req.peeked[0] != key:
+            n = self.radix.match_prefix(req.token_ids[:-1], req.cache_salt, peek=True).num_tokens
+            req.peeked = (key, n)
+        return req.peeked[1]
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, *,
                reuse_partial: bool) -> bool:
@@ -246,13 +259,54 @@ class Scheduler:
                 progressed.append(seq)
         return progressed
 
+    def reserve(self, reqs: Sequence[Request], starts: Sequence[int], wants: Sequence[int]
+                ) -> list[int]:
+        """Gives decoding sequences pages for ``wants[i]`` tokens written from position
+        ``starts[i]`` on (fewer where free pages run short: a reservation never evicts or
+        preempts); returns how many tokens each may write, 0 if its pages hold none."""
+        s, limits = self.page_size, []
+        for req, start, want in zip(reqs, starts, wants, strict=True):
+            want = max(0, want)
+            extra = -(-(start + want) // s) - len(req.pages)
+            if extra > self.allocator.num_free:
+                extra = 0
+                want = max(0, min(want, len(req.pages) * s - start))  # what its pages hold
+            if extra > 0:
+                req.pages += self.allocator.allocate(extra)
+            limits.append(want)
+        return limits
+
+    def update_loop(self, out: SchedulerOutput, tokens: Sequence[Sequence[int]], now: float
+                    ) -> list[Request]:
+        """Applies a decode loop's results: ``tokens[i]`` are the tokens decode row i sampled,
+        in order (each one's predecessor had its KV written). Tokens after the one that
+        finishes a sequence are dropped."""
+        progressed = []
+        for row, toks in zip(out.decode_rows, tokens, strict=True):
+            req = row.request
+            if req.status is not RequestStatus.RUNNING:  # aborted while the loop ran
+                continue
+            for token in toks:
+                req.num_computed_tokens += 1
+                reason = req.append_token(int(token), self.eos_token_ids)
+                self.counters.generated_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if reason is not None:
+                    self.finish(req, reason, now)
+                    break
+            if toks:
+                progressed.append(req)
+        return progressed
+
     def _cache_full_pages(self, req: Request) -> None:
         """Offers a prompt's computed whole pages to the prefix cache, so requests arriving
         while it runs can share them (a partial last page is still being written)."""
         full = req.num_computed_tokens // self.page_size
-        if self.radix is not None and full:
+        if self.radix is not None and full > req.pages_offered:
             self.radix.insert(req.token_ids[:full * self.page_size], req.pages[:full],
                               req.cache_salt)
+            req.pages_offered = full
 
     def _fork(self, parent: Request) -> None:
         """Starts samples 1..n-1 on the parent's pages (shared until one writes into them)."""
@@ -302,7 +356,7 @@ class Scheduler:
             self.radix.insert(req.token_ids[:n], req.pages[:-(-n // self.page_size)],
                               req.cache_salt)
         self.allocator.free(req.pages)
-        req.pages = []
+        req.pages, req.pages_offered = [], 0
         if req.prefix_handle is not None:
             self.radix.unlock(req.prefix_handle)
             req.prefix_handle = None

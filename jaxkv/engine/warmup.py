@@ -1,12 +1,10 @@
 """Compiling every program an `Engine` can run before it serves (like vLLM's CUDA-graph capture).
 
-An engine's steps are jitted over bucketed shapes: T tokens, B rows and, for the jnp reference
-attention only, Q (the longest row, which sizes its padded work; the Pallas kernels are ragged,
-so Q is no shape for them). `engine_step_shapes` lists every (T, B, Q) the engine's batches can
-take; `warmup` runs a padding-only batch of each (no page or slot changes), the sampler for each
-row count, the page-copy programs and the per-request key derivation. Afterwards serving
-compiles nothing, so no request waits on a compile and host memory stays flat. On CPU with the
-reference there are many shapes (127 at max_num_batched_tokens=256, max_num_seqs=16).
+An engine runs a handful of programs: the ragged step once per token bucket, the decode loop
+once per row bucket, page copies per copy bucket, the fork sampler, and (debug only) the page
+poisoner. `engine_programs` lists them; `warmup` runs each on padding-only inputs (no page
+changes) and derives one request key. Afterwards serving compiles nothing, so no request waits
+on a compile and host memory stays flat.
 """
 
 from __future__ import annotations
@@ -14,41 +12,59 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxkv.runtime.batch import bucket, padding_batch, step_shapes
-from jaxkv.runtime.page_copy import copy_pages, fill_pages
-from jaxkv.runtime.sampling import SamplingArrays, sample
+from jaxkv.runtime.batch import padding_batch
+from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
+from jaxkv.runtime.sampling import sample
+from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
 from jaxkv.sampling_params import SamplingParams
 
 
-def engine_step_shapes(engine) -> list[tuple[int, int, int]]:
-    """(T tokens, B rows, Q longest row) of every step program ``engine`` can run; Q is 1 for
-    decode steps, and T for prefill steps when the attention is a kernel."""
-    shapes = step_shapes(engine.max_num_batched_tokens, engine.max_num_seqs,
-                         min_tokens=engine.min_rows, min_rows=engine.min_rows)
-    if not engine.q_is_shape:
-        shapes = {(t, b, 1 if q == 1 else t) for t, b, q in shapes}
-    return sorted(shapes)
+def engine_programs(engine) -> list[tuple[str, int]]:
+    """(kind, size) of every program ``engine`` can run."""
+    progs = [("step", t) for t in engine.token_buckets]
+    if engine.steps.max_decode_steps > 1:
+        progs += [("decode_loop", r) for r in engine.row_buckets]
+    progs += [("copy_pages", n) for n in engine.copy_buckets]
+    progs.append(("sample", engine.max_num_seqs))
+    if engine.debug_nan_freed_pages:
+        progs.append(("fill_pages", engine.copy_buckets[-1]))
+    return progs
+
+
+def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
+    """Decode-loop inputs of ``rows`` rows that are all padding (for compiling ahead); only
+    ``engine.max_pages_per_seq`` is read."""
+    def z(dtype, *shape):
+        return np.zeros(shape or (rows,), dtype)
+
+    return DecodeLoopBatch(
+        tokens=z(np.int32), positions=z(np.int32),
+        page_table=z(np.int32, rows, engine.max_pages_per_seq), live=z(bool),
+        limit=z(np.int32), generated=z(np.int32), min_tokens=z(np.int32),
+        max_tokens=np.ones(rows, np.int32),
+        stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32), keys=z(np.uint32, rows, 2),
+        temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(rows, np.float32),
+        num_steps=np.int32(1))
 
 
 def warmup(engine) -> int:
-    """Compiles every program ``engine`` can run; returns the number of step shapes."""
-    shapes = engine_step_shapes(engine)
-    sampled = set()
-    for t, b, q in shapes:
-        batch = padding_batch(t, b, q, num_pages=engine.num_pages, max_seqs=engine.max_num_seqs,
-                              max_pages_per_seq=engine.max_pages_per_seq)
-        run = engine.steps.decode if q == 1 else engine.steps.prefill
-        logits, engine.state = run(engine.model.params, engine.state, batch)
-        if b not in sampled:
-            sampled.add(b)
-            sample(logits, np.zeros((b, 2), np.uint32), SamplingArrays(
-                np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
-                np.zeros(b, np.int32)))
-    for n in sorted({bucket(n) for n in range(1, engine.max_num_seqs + 1)}):
-        dropped = np.full(n, engine.num_pages, np.int32)  # out of range: nothing written
-        engine.state = copy_pages(engine.state, np.zeros(n, np.int32), dropped)
-        if engine.debug_nan_freed_pages:
-            engine.state = fill_pages(engine.state, dropped, float("nan"))
+    """Compiles every program of `engine_programs`; returns how many there are."""
+    progs = engine_programs(engine)
+    for kind, size in progs:
+        if kind == "step":
+            keys, arrays = engine._sampling([])
+            _, logits, engine.state = engine.steps.step(
+                engine.model.params, engine.state, padding_batch(size, engine.page_table),
+                keys, arrays)
+            sample(logits, keys, arrays)  # the fork sampler: same shapes for every bucket
+        elif kind == "decode_loop":
+            _, _, engine.state = engine.steps.decode_loop(engine.model.params, engine.state,
+                                                          idle_decode_loop(engine, size))
+        elif kind == "copy_pages":  # one pair to a dropped destination, padded to `size`
+            engine.state = copy_pages_padded(engine.state, [(0, engine.num_pages)], (size,))
+        elif kind == "fill_pages":
+            engine.state = fill_pages_padded(engine.state, [engine.num_pages], float("nan"),
+                                             size)
     engine._sample_keys(SamplingParams(n=2), 0)  # the per-request key derivation
     jax.block_until_ready(engine.state)
-    return len(shapes)
+    return len(progs)

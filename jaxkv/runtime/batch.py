@@ -1,11 +1,13 @@
-"""Host-side builders of the device batch for one prefill or decode step.
+"""Host-side builders of the device batch of one ragged step, from persistent buffers.
 
-Axes: T tokens (bucketed), B rows (bucketed), W page-table width (bucketed), Q the longest
-row's tokens (static: it sizes the reference attention's padded work; a power of two).
-Every dimension is rounded up to a bucket (powers of two and 1.5x powers of two), so a long
-run compiles a small, bounded set of programs, which `step_shapes` enumerates; padding rows and
-tokens are inert: their pages index P (dropped on write) and their slot index max_seqs
-(dropped on update).
+Axes: T tokens (a bucket of a short power-of-two ladder), B rows = state slots (fixed: row b is
+slot b, a slot with nothing to run has no tokens), W page-table width (fixed: the longest
+sequence's pages). Neither the longest row nor the batch's real width is a shape: the kernels
+and the jnp reference stop at each row's length, so a step program is one per T.
+
+The page table lives in a persistent per-slot numpy buffer: a row rewrites only the pages
+that changed since its last step (from the page it writes into on), and a slot taken by a new
+sequence rewrites its pages once. Padding tokens write to page P (dropped).
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ import jax
 import numpy as np
 from flax import struct
 
+MIN_TOKENS = 16  # the smallest token bucket
+
+
+def pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
 
 def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest of {2^k, 3*2^(k-1)} that is >= max(n, minimum)."""
+    """Smallest of {2^k, 3*2^(k-1)} that is >= max(n, minimum) (for page-copy batches)."""
     n = max(n, minimum, 1)
     p = 1
     while p < n:
@@ -29,141 +38,135 @@ def bucket(n: int, minimum: int = 1) -> int:
     return p
 
 
-def pow2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1)."""
-    return 1 << max(0, n - 1).bit_length()
+def ladder(largest: int, smallest: int = MIN_TOKENS) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to the first >= ``largest``: the token buckets."""
+    out = [pow2(smallest)]
+    while out[-1] < largest:
+        out.append(out[-1] * 2)
+    return tuple(out)
 
 
-def step_shapes(max_tokens: int, max_rows: int, *, min_tokens: int = 1, min_rows: int = 1
-                ) -> set[tuple[int, int, int]]:
-    """Every (T, B, Q) that `build_batch` (bucketed) can produce for batches of at most
-    ``max_rows`` rows and ``max_tokens`` tokens: the step programs a server can need."""
-    shapes = set()
-    for n in range(1, max_rows + 1):
-        b = bucket(n, min_rows)
-        shapes.add((bucket(n, min_tokens), b, 1))  # every row one token
-        for total in range(n + 1, max_tokens + 1):
-            t = bucket(total, min_tokens)
-            q, longest = pow2(-(-total // n)), total - n + 1  # the longest row's range
-            while True:
-                shapes.add((t, b, min(q, t)))
-                if q >= longest:
-                    break
-                q *= 2
-    return shapes
+def fit(n: int, sizes: Sequence[int]) -> int:
+    """The smallest size in the ladder ``sizes`` that holds n."""
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One sequence's part of a step: its slot, new tokens, and the pages it owns."""
+    """One sequence's part of a step: its slot, new tokens, and the pages it owns.
+
+    ``owner`` identifies the sequence holding the slot's pages since it last got them (compared
+    with ``==``; None: unknown, rewrite the slot's whole page-table row)."""
 
     slot: int
     tokens: Sequence[int]  # new tokens this step (a prompt chunk, or one decode token)
     start: int  # tokens of this sequence already cached (position of tokens[0])
     pages: Sequence[int]  # physical pages of the sequence, in order; enough for start+len
+    owner: object = None
 
 
 @struct.dataclass
 class StepBatch:
-    """The device inputs of one step (see the module docstring for the axes)."""
+    """The device inputs of one ragged step (see the module docstring for the axes)."""
 
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
     write_pages: jax.Array  # i32[T]  page each token's K/V goes to (P for padding)
     write_offsets: jax.Array  # i32[T]  slot inside that page
-    slots: jax.Array  # i32[B]  state slot of each row (max_seqs for padding)
     page_table: jax.Array  # i32[B, W]
-    kv_lens: jax.Array  # i32[B]  cached tokens after this step, including the new ones
+    kv_lens: jax.Array  # i32[B]  cached tokens after this step, including the new ones (0: idle)
     cu_q_lens: jax.Array  # i32[B + 1]
-    num_seqs: jax.Array  # i32[]
-    max_q_len: int = struct.field(pytree_node=False, default=1)
+    num_seqs: jax.Array  # i32[]  B: every slot is a row (idle ones have no tokens)
 
 
-def build_batch(rows: Sequence[Row], *, page_size: int, num_pages: int, max_seqs: int,
-                max_pages_per_seq: int, vocab_size: int | None = None,
-                min_tokens: int = 1, min_rows: int = 1, bucketed: bool = True) -> StepBatch:
-    """Packs rows into a StepBatch, validating every index it will write.
+class PageTable:
+    """The per-slot page table, kept on the host between steps and rewritten by deltas."""
 
-    ``bucketed=False`` pads only to a multiple of 16 tokens (rows and pages exact): for
-    baselines whose timing should hold almost no padding, at one program per 16 tokens.
-    """
-    def fine(n, minimum=1):
-        return max(n, minimum)
+    def __init__(self, max_seqs: int, width: int, num_pages: int, page_size: int):
+        self.table = np.zeros((max_seqs, width), np.int32)
+        self.num_pages, self.page_size = num_pages, page_size
+        self._owner: list[object] = [None] * max_seqs
+        self._written = np.zeros(max_seqs, np.int64)  # pages written for the owner
 
-    def fine_tokens(n, minimum=1):
-        return -(-max(n, minimum) // 16) * 16
+    def update(self, slot: int, pages: Sequence[int], start: int, owner) -> None:
+        """Makes row ``slot`` hold ``pages``; pages before the one position ``start`` falls in
+        are unchanged for the same ``owner`` (a sequence only appends, or copies-on-write the
+        page it writes into), so only the rest is rewritten."""
+        width = self.table.shape[1]
+        if len(pages) > width:
+            raise ValueError(f"slot {slot} has {len(pages)} pages; the page table holds "
+                             f"{width} per sequence")
+        same = owner is not None and self._owner[slot] == owner
+        lo = min(start // self.page_size, int(self._written[slot])) if same else 0
+        new = np.asarray(pages[lo:], np.int64)
+        if new.size and (new.min() < 0 or new.max() >= self.num_pages):
+            raise ValueError(f"slot {slot} has a page id outside [0, {self.num_pages})")
+        self.table[slot, lo:len(pages)] = new
+        self._owner[slot], self._written[slot] = owner, len(pages)
 
-    size = bucket if bucketed else fine
-    size_t = bucket if bucketed else fine_tokens
+    def forget(self, slot: int) -> None:
+        self._owner[slot], self._written[slot] = None, 0
+
+
+def build_batch(rows: Sequence[Row], table: PageTable, *, tokens_bucket: int,
+                vocab_size: int | None = None) -> StepBatch:
+    """Packs rows (at most one per slot) into a StepBatch of ``tokens_bucket`` tokens,
+    validating every index it will write."""
     if not rows:
         raise ValueError("build_batch: rows is empty")
-    n = len(rows)
-    total = sum(len(r.tokens) for r in rows)
-    longest = max(len(r.tokens) for r in rows)
-    width = max(-(-(r.start + len(r.tokens)) // page_size) for r in rows)
-    t_pad = size_t(total, min_tokens)
-    b_pad = size(n, min_rows)
-    w_pad = min(size(width), max_pages_per_seq)
-
-    tokens = np.zeros(t_pad, np.int32)
-    positions = np.zeros(t_pad, np.int32)
-    write_pages = np.full(t_pad, num_pages, np.int32)
-    write_offsets = np.zeros(t_pad, np.int32)
-    slots = np.full(b_pad, max_seqs, np.int32)
-    page_table = np.zeros((b_pad, w_pad), np.int32)
-    kv_lens = np.zeros(b_pad, np.int32)
-    cu = np.full(b_pad + 1, total, np.int32)
-    cu[0] = 0
-    seen_slots = set()
-    at = 0
+    b, s = table.table.shape[0], table.page_size
+    q_lens = np.zeros(b, np.int32)
+    kv_lens = np.zeros(b, np.int32)
+    by_slot: dict[int, Row] = {}
     for i, r in enumerate(rows):
-        q = len(r.tokens)
-        end = r.start + q
-        if q == 0:
+        if not isinstance(r.slot, (int, np.integer)) or not 0 <= r.slot < b or r.slot in by_slot:
+            raise ValueError(f"build_batch: slot {r.slot} is out of range [0, {b}) or used "
+                             "twice")
+        if len(r.tokens) == 0:
             raise ValueError(f"build_batch: row {i} (slot {r.slot}) has no tokens")
-        if not 0 <= r.slot < max_seqs or r.slot in seen_slots:
-            raise ValueError(f"build_batch: slot {r.slot} is out of range [0, {max_seqs}) "
-                             "or used twice")
-        seen_slots.add(r.slot)
         if r.start < 0:
             raise ValueError(f"build_batch: start must be >= 0, got {r.start}")
-        need = -(-end // page_size)
-        if len(r.pages) < need or len(r.pages) > max_pages_per_seq:
-            raise ValueError(f"build_batch: slot {r.slot} needs {need} pages for {end} tokens "
-                             f"(at most {max_pages_per_seq}), got {len(r.pages)}")
-        pages = np.asarray(r.pages[:need], np.int64)
-        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
-            raise ValueError(f"build_batch: slot {r.slot} has a page id outside [0, {num_pages})")
-        toks = np.asarray(r.tokens, np.int64)
-        if vocab_size is not None and (toks.min() < 0 or toks.max() >= vocab_size):
-            bad = int(toks[(toks < 0) | (toks >= vocab_size)][0])
-            raise ValueError(f"build_batch: token id {bad} is outside the vocabulary "
+        end = r.start + len(r.tokens)
+        need = -(-end // s)
+        if len(r.pages) < need:
+            raise ValueError(f"build_batch: slot {r.slot} needs {need} pages for {end} tokens, "
+                             f"got {len(r.pages)}")
+        table.update(r.slot, r.pages, r.start, r.owner)
+        by_slot[r.slot] = r
+        q_lens[r.slot], kv_lens[r.slot] = len(r.tokens), end
+    cu = np.zeros(b + 1, np.int32)
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+    if total > tokens_bucket:
+        raise ValueError(f"build_batch: {total} tokens exceed the bucket of {tokens_bucket}")
+    tokens = np.zeros(tokens_bucket, np.int32)
+    positions = np.zeros(tokens_bucket, np.int32)
+    write_pages = np.full(tokens_bucket, table.num_pages, np.int32)
+    for slot, r in by_slot.items():
+        at, q = int(cu[slot]), len(r.tokens)
+        tokens[at:at + q] = r.tokens
+        positions[at:at + q] = np.arange(r.start, r.start + q)
+        write_pages[at:at + q] = table.table[slot, positions[at:at + q] // s]
+    if vocab_size is not None:
+        real = tokens[:total]
+        bad = real[(real < 0) | (real >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"build_batch: token id {int(bad[0])} is outside the vocabulary "
                              f"[0, {vocab_size})")
-        pos = np.arange(r.start, end)
-        tokens[at:at + q] = toks
-        positions[at:at + q] = pos
-        write_pages[at:at + q] = pages[pos // page_size]
-        write_offsets[at:at + q] = pos % page_size
-        slots[i] = r.slot
-        page_table[i, :need] = pages
-        kv_lens[i] = end
-        at += q
-        cu[i + 1] = at
-    return StepBatch(
-        tokens=tokens, positions=positions, write_pages=write_pages,
-        write_offsets=write_offsets, slots=slots, page_table=page_table, kv_lens=kv_lens,
-        cu_q_lens=cu, num_seqs=np.int32(n),
-        max_q_len=min(pow2(longest) if bucketed else fine_tokens(longest), t_pad),
-    )
+    return StepBatch(tokens=tokens, positions=positions, write_pages=write_pages,
+                     write_offsets=positions % s, page_table=table.table.copy(),
+                     kv_lens=kv_lens, cu_q_lens=cu, num_seqs=np.int32(b))
 
 
-def padding_batch(t: int, b: int, q: int, *, num_pages: int, max_seqs: int,
-                  max_pages_per_seq: int) -> StepBatch:
-    """A batch of shape (T, B, Q) whose every token and row is padding: running it changes
-    no page and no slot. For compiling a step program ahead of serving."""
+def padding_batch(t: int, table: PageTable) -> StepBatch:
+    """A batch of T tokens whose every token and row is padding: running it changes no page.
+    For compiling a step program ahead of serving."""
+    b = table.table.shape[0]
     return StepBatch(
         tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-        write_pages=np.full(t, num_pages, np.int32), write_offsets=np.zeros(t, np.int32),
-        slots=np.full(b, max_seqs, np.int32),
-        page_table=np.zeros((b, max_pages_per_seq), np.int32), kv_lens=np.zeros(b, np.int32),
-        cu_q_lens=np.zeros(b + 1, np.int32), num_seqs=np.int32(0), max_q_len=q)
+        write_pages=np.full(t, table.num_pages, np.int32), write_offsets=np.zeros(t, np.int32),
+        page_table=np.zeros_like(table.table), kv_lens=np.zeros(b, np.int32),
+        cu_q_lens=np.zeros(b + 1, np.int32), num_seqs=np.int32(b))

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.kv import PagedKVState
-from jaxkv.runtime.batch import bucket
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -39,18 +38,27 @@ def fill_pages(state: PagedKVState, pages, value) -> PagedKVState:
     return state.replace(kv_pages=fill(state.kv_pages))
 
 
-def fill_pages_padded(state: PagedKVState, pages, value) -> PagedKVState:
-    """`fill_pages` with N padded to a bucket."""
-    ids = np.full(bucket(len(pages)), state.num_pages, np.int32)
-    ids[: len(pages)] = pages
-    return fill_pages(state, ids, value)
+def fill_pages_padded(state: PagedKVState, pages, value, chunk: int = 64) -> PagedKVState:
+    """`fill_pages` in calls of exactly ``chunk`` ids (one program whatever the count)."""
+    pages = list(pages)
+    for at in range(0, len(pages), chunk):
+        ids = np.full(chunk, state.num_pages, np.int32)
+        part = pages[at:at + chunk]
+        ids[:len(part)] = part
+        state = fill_pages(state, ids, value)
+    return state
 
 
-def copy_pages_padded(state: PagedKVState, pairs) -> PagedKVState:
-    """`copy_pages` of (src, dst) pairs, padded to a bucketed N so few programs compile."""
-    n = bucket(len(pairs))
-    src = np.zeros(n, np.int32)
-    dst = np.full(n, state.num_pages, np.int32)  # out of range: dropped
-    for i, (s, d) in enumerate(pairs):
-        src[i], dst[i] = s, d
-    return copy_pages(state, src, dst)
+def copy_pages_padded(state: PagedKVState, pairs, sizes=(8, 64)) -> PagedKVState:
+    """`copy_pages` of (src, dst) pairs, padded to the smallest of ``sizes`` that holds them
+    (in several calls of the largest when none does), so few programs compile."""
+    pairs = list(pairs)
+    while pairs:
+        n = next((k for k in sizes if k >= len(pairs)), sizes[-1])
+        part, pairs = pairs[:n], pairs[n:]
+        src = np.zeros(n, np.int32)
+        dst = np.full(n, state.num_pages, np.int32)  # out of range: dropped
+        for i, (s, d) in enumerate(part):
+            src[i], dst[i] = s, d
+        state = copy_pages(state, src, dst)
+    return state

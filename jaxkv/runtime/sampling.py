@@ -1,4 +1,14 @@
-"""Per-request sampling on device: greedy, temperature, top-k, top-p.
+"""Per-request sampling on device, without sorting the vocabulary.
+
+- greedy rows (temperature 0): argmax;
+- other rows: inverse-CDF sampling from softmax(logits / temperature), one uniform number per
+  row, in two passes (block sums, then one block) instead of a sort or V random numbers;
+- top-k / top-p: a threshold on the scaled logits, taken from a `lax.top_k` candidate set of
+  TOP_K_CAP entries. A top-k within the cap, and a nucleus that the candidates' mass reaches,
+  are exact; a larger top-k or a nucleus wider than the cap falls back to a bisection over the
+  threshold (to float precision) on the full vocabulary. Tokens tied with the threshold are
+  all kept. A batch without top-k/top-p rows skips the candidate set; an all-greedy batch
+  skips everything but the argmax.
 
 Each row carries its own PRNG key and step counter; the key used at a step is
 ``fold_in(key, step)``, so a request's samples depend only on its own seed and position,
@@ -11,6 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+TOP_K_CAP = 256  # candidates for top-k / top-p thresholds
+CDF_BLOCK = 512  # vocabulary entries per block of the two-pass inverse CDF
+_BISECT_STEPS = 40
 
 
 @struct.dataclass
@@ -31,6 +45,10 @@ class SamplingArrays:
         return cls(pad(temperature, np.float32, 0.0), pad(top_k, np.int32, 0),
                    pad(top_p, np.float32, 1.0), pad(step, np.int32, 0))
 
+    @classmethod
+    def greedy(cls, rows: int) -> SamplingArrays:
+        return cls.build([], [], [], [], rows)
+
 
 def request_key(seed: int, sample_index: int = 0) -> np.ndarray:
     """The raw u32[2] base key of sample `sample_index` of a request seeded with `seed`."""
@@ -38,30 +56,83 @@ def request_key(seed: int, sample_index: int = 0) -> np.ndarray:
     return np.asarray(jax.random.key_data(key), np.uint32)
 
 
-def _sample_row(logits_v, key, temperature, top_k, top_p, step):
-    key = jax.random.fold_in(key, step)
-    scaled = logits_v / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)
-    sorted_v = scaled[order]
-    rank = jnp.arange(sorted_v.shape[0])
-    keep = (top_k <= 0) | (rank < top_k)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_v, -jnp.inf))
-    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-    keep &= (jnp.cumsum(probs) - probs) < top_p
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_v, -jnp.inf))
-    sampled = order[choice]
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits_v)).astype(jnp.int32)
+def _inverse_cdf(x, u):
+    """Index drawn from softmax(x) per row (x f32[B, V], -inf = excluded; u f32[B] in [0, 1))."""
+    b, v = x.shape
+    block = min(CDF_BLOCK, v)
+    nb = -(-v // block)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    xp = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
+    p = jnp.exp(xp - m).reshape(b, nb, block)
+    cum_blocks = jnp.cumsum(p.sum(-1), axis=-1)  # [B, nb]
+    target = u * cum_blocks[:, -1]
+    blk = jnp.minimum(jnp.sum(cum_blocks <= target[:, None], axis=-1), nb - 1)
+    before = jnp.where(blk > 0, jnp.take_along_axis(cum_blocks, jnp.maximum(blk - 1, 0)[:, None],
+                                                    axis=-1)[:, 0], 0.0)
+    row = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]  # [B, block]
+    idx = jnp.sum(jnp.cumsum(row, axis=-1) <= (target - before)[:, None], axis=-1)
+    # Rounding can put the target past the block's last live entry: take that entry.
+    last_live = block - 1 - jnp.argmax(row[:, ::-1] > 0, axis=-1)
+    return (blk * block + jnp.minimum(idx, last_live)).astype(jnp.int32)
 
 
-@jax.jit
-def sample(logits, keys, sampling: SamplingArrays):
+def _bisect(x, lo, hi, keep_enough):
+    """Largest threshold t in [lo, hi] with keep_enough(x >= t) (to float precision)."""
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        ok = keep_enough(x >= mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
+    return lo
+
+
+def _threshold(x, top_k, top_p):
+    """Per-row threshold on scaled logits x f32[B, V] that keeps top-k, then the nucleus."""
+    b, v = x.shape
+    cap = min(TOP_K_CAP, v)
+    vals = jax.lax.top_k(x, cap)[0]  # [B, cap], descending
+    lo, hi = jnp.min(x, axis=-1), vals[:, 0]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    thr_k = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, cap - 1)[:, None], axis=-1)[:, 0]
+    thr_k = jnp.where(k <= cap, thr_k, lo)
+    wide_k = k > cap
+    thr_k = jax.lax.cond(jnp.any(wide_k & (k < v)), lambda: jnp.where(
+        wide_k, _bisect(x, lo, hi, lambda keep: keep.sum(-1) >= k), thr_k), lambda: thr_k)
+
+    # Nucleus over the top-k set: keep tokens whose preceding mass is below top_p.
+    e = jnp.exp(x - hi[:, None])
+    total = jnp.sum(jnp.where(x >= thr_k[:, None], e, 0.0), axis=-1)
+    pc = jnp.where(vals >= thr_k[:, None], jnp.exp(vals - hi[:, None]), 0.0) / total[:, None]
+    cum = jnp.cumsum(pc, axis=-1)
+    kept = jnp.maximum(jnp.sum((cum - pc) < top_p[:, None], axis=-1), 1)
+    thr_p = jnp.take_along_axis(vals, (jnp.minimum(kept, cap) - 1)[:, None], axis=-1)[:, 0]
+    # Exact when the nucleus closes inside the candidates (or top_p is off).
+    inside = (top_p >= 1) | (cum[:, -1] >= top_p)
+    mass = lambda keep: jnp.sum(jnp.where(keep & (x >= thr_k[:, None]), e, 0.0), -1)  # noqa: E731
+    thr_p = jax.lax.cond(jnp.any(~inside), lambda: jnp.where(
+        inside, thr_p, _bisect(x, lo, hi, lambda keep: mass(keep) >= top_p * total)),
+        lambda: thr_p)
+    return jnp.where(top_p >= 1, thr_k, jnp.maximum(thr_k, thr_p))
+
+
+def sample_tokens(logits, keys, sampling: SamplingArrays):
     """i32[B] next tokens from f32[B, V] logits; ``keys`` are raw u32[B, 2] PRNG keys."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
     def stochastic():
-        return jax.vmap(_sample_row)(logits, keys, sampling.temperature, sampling.top_k,
-                                     sampling.top_p, sampling.step)
+        step_keys = jax.vmap(jax.random.fold_in)(keys, sampling.step)
+        u = jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(step_keys)
+        x = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
+        filtered = (sampling.top_k > 0) | (sampling.top_p < 1)
+        thr = jax.lax.cond(jnp.any(filtered & (sampling.temperature > 0)),
+                           lambda: _threshold(x, sampling.top_k, sampling.top_p),
+                           lambda: jnp.full(x.shape[:1], -jnp.inf))
+        x = jnp.where(x >= thr[:, None], x, -jnp.inf)
+        return jnp.where(sampling.temperature > 0, _inverse_cdf(x, u), greedy)
 
-    def greedy():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(sampling.temperature > 0), stochastic, lambda: greedy)
 
-    # An all-greedy batch skips the per-row vocabulary sort.
-    return jax.lax.cond(jnp.any(sampling.temperature > 0), stochastic, greedy)
+
+sample = jax.jit(sample_tokens)  # the same, as its own program (fork samples, tests)

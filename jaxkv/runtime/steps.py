@@ -1,10 +1,20 @@
-"""The jit boundary: pure prefill and decode steps over a donated PagedKVState.
+"""The jit boundary: one ragged step, and a multi-step decode loop, over a donated PagedKVState.
 
-``prefill(params, state, batch) -> (logits_last f32[B, V], state)`` runs a chunk of each
-row's prompt (its earlier part may already be cached) and returns each row's last-token
-logits; ``decode`` is the same computation with one token per row. The NNX graphdef is split
-from the params before jit: the params are an ordinary pytree argument (fresh weights need no
-recompile) and the traced program does not embed them as constants.
+``step(params, state, batch, keys, sampling) -> (tokens i32[B], logits f32[B, V], state)`` runs
+one ragged batch (prefill chunks whose earlier part may be cached, and one-token decode rows,
+flattened; see `jaxkv.runtime.batch`) and samples each row's next token from its last logits.
+Its programs differ only by the token bucket T.
+
+``decode_loop(params, state, loop) -> (tokens i32[N, R], after, state)`` runs up to
+``loop.num_steps`` decode steps of R rows on device (a `lax.while_loop`): each iteration writes
+the K/V of every live row's pending token, samples the next one, and retires rows that hit a
+stop token (once their ``min_tokens`` are out), their ``max_tokens``, or the steps their pages
+were reserved for. The host reads the N x R tokens once (-1 where a row had retired). ``after``
+is ``loop`` with each row's pending token, position, liveness and count after the last step:
+the inputs of a next loop, which the host can dispatch before reading these tokens.
+
+The NNX graphdef is split from the params before jit: the params are an ordinary pytree argument
+(fresh weights need no recompile) and the traced program does not embed them as constants.
 """
 
 from __future__ import annotations
@@ -14,22 +24,51 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jaxkv.attention import check_attention_impl, paged_attention
 from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, write_kv
 from jaxkv.runtime.batch import StepBatch
+from jaxkv.runtime.sampling import SamplingArrays, sample_tokens
 from jaxkv.sharding import kv_sharding, sharded_attention
 
+MAX_STOP_IDS = 8  # stop ids (EOS included) a row can check on device
 
-def _step(graphdef, impl: str, decode: bool, mesh, params, state: PagedKVState,
-          batch: StepBatch):
-    if decode and batch.max_q_len != 1:
-        raise ValueError(f"decode takes one token per row, got max_q_len={batch.max_q_len}")
-    model = nnx.merge(graphdef, params)
+
+@struct.dataclass
+class DecodeLoopBatch:
+    """The device inputs of `decode_loop`, for R rows (padding rows have ``live`` 0)."""
+
+    tokens: jax.Array  # i32[R]  each row's pending token (sampled, its K/V not yet written)
+    positions: jax.Array  # i32[R]  its position
+    page_table: jax.Array  # i32[R, W]  pages reserved for every token this loop may write
+    live: jax.Array  # bool[R]
+    limit: jax.Array  # i32[R]  tokens the row may sample in this loop (its pages allow)
+    generated: jax.Array  # i32[R]  output tokens so far (the pending one included)
+    min_tokens: jax.Array  # i32[R]
+    max_tokens: jax.Array  # i32[R]
+    stop_ids: jax.Array  # i32[R, MAX_STOP_IDS]  -1 = none
+    keys: jax.Array  # u32[R, 2]
+    temperature: jax.Array  # f32[R]
+    top_k: jax.Array  # i32[R]
+    top_p: jax.Array  # f32[R]
+    num_steps: jax.Array  # i32[]  at most N (the tokens array's rows)
+
+
+def _check_state(state: PagedKVState, model) -> None:
+    """Raises KVStateError if `state` cannot hold this model's KV."""
+    state.validate()
+    state.validate_for(model.config)
+    if state.kv_pages.dtype != model.dtype:
+        raise KVStateError(f"PagedKVState.kv_pages: dtype {state.kv_pages.dtype} does not match "
+                           f"the model's compute dtype {jnp.dtype(model.dtype)}")
+
+
+def _forward(model, impl, mesh, kv_pages, tokens, positions, write_pages, write_offsets,
+             page_table, kv_lens, cu_q_lens, num_seqs, *, decode: bool):
+    """Hidden states of T tokens and the pages with their K/V written."""
     c = model.config
-    _check_state(state, model, batch)  # at trace time: a new shape or dtype retraces
 
     def attend(q, k, v, kv_pages, layer, write_pages, write_offsets, page_table, kv_lens,
                cu_q_lens, num_seqs):
@@ -37,7 +76,7 @@ def _step(graphdef, impl: str, decode: bool, mesh, params, state: PagedKVState,
         out = paged_attention(
             q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
             decode=decode, sm_scale=c.sm_scale, sliding_window=c.sliding_window,
-            max_q_len=batch.max_q_len, impl=impl,
+            max_q_len=q.shape[0], impl=impl,
         )
         return out, kv_pages
 
@@ -45,52 +84,87 @@ def _step(graphdef, impl: str, decode: bool, mesh, params, state: PagedKVState,
         attend = sharded_attention(attend, mesh)
 
     def attention(layer, q, k, v, kv_pages):
-        return attend(q, k, v, kv_pages, layer, batch.write_pages, batch.write_offsets,
-                      batch.page_table, batch.kv_lens, batch.cu_q_lens, batch.num_seqs)
+        return attend(q, k, v, kv_pages, layer, write_pages, write_offsets, page_table,
+                      kv_lens, cu_q_lens, num_seqs)
 
-    hidden, kv_pages = model(batch.tokens, batch.positions, attention, state.kv_pages)
+    return model(tokens, positions, attention, kv_pages)
+
+
+def _keep_layout(state, mesh):
+    if mesh is not None:  # keep the donated layout, so the next step reuses the buffers
+        state = jax.lax.with_sharding_constraint(state, kv_sharding(mesh))
+    return state
+
+
+def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch, keys,
+          sampling: SamplingArrays):
+    model = nnx.merge(graphdef, params)
+    _check_state(state, model)  # at trace time: a new shape or dtype retraces
+    hidden, kv_pages = _forward(model, impl, mesh, state.kv_pages, batch.tokens, batch.positions,
+                                batch.write_pages, batch.write_offsets, batch.page_table,
+                                batch.kv_lens, batch.cu_q_lens, batch.num_seqs, decode=False)
     last = jnp.maximum(batch.cu_q_lens[1:] - 1, 0)
     logits = model.logits(hidden[last])
-    rows = jnp.zeros((batch.page_table.shape[0], state.max_pages_per_seq), jnp.int32)
-    rows = rows.at[:, : batch.page_table.shape[1]].set(batch.page_table)
-    new_state = state.replace(
-        kv_pages=kv_pages,
-        page_table=state.page_table.at[batch.slots].set(rows, mode="drop"),
-        lengths=state.lengths.at[batch.slots].set(batch.kv_lens, mode="drop"),
-    )
-    if mesh is not None:  # keep the donated layout, so the next step reuses the buffers
-        new_state = jax.lax.with_sharding_constraint(new_state, kv_sharding(mesh))
-    return logits, new_state
+    tokens = sample_tokens(logits, keys, sampling)
+    return tokens, logits, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
 
 
-def _check_state(state: PagedKVState, model, batch: StepBatch) -> None:
-    """Raises KVStateError if `state` cannot hold this model's KV for this batch."""
-    state.validate()
-    state.validate_for(model.config)
-    if state.kv_pages.dtype != model.dtype:
-        raise KVStateError(f"PagedKVState.kv_pages: dtype {state.kv_pages.dtype} does not match "
-                           f"the model's compute dtype {jnp.dtype(model.dtype)}")
-    if batch.page_table.shape[1] > state.max_pages_per_seq:
-        raise KVStateError(f"PagedKVState.page_table: {state.max_pages_per_seq} pages per "
-                           f"sequence, but the batch's page table has {batch.page_table.shape[1]}")
+def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: PagedKVState,
+                 loop: DecodeLoopBatch):
+    model = nnx.merge(graphdef, params)
+    _check_state(state, model)
+    r = loop.tokens.shape[0]
+    s, p = state.page_size, state.num_pages
+    rows = jnp.arange(r)
+    cu = jnp.arange(r + 1, dtype=jnp.int32)
+    sampling = lambda step: SamplingArrays(loop.temperature, loop.top_k, loop.top_p, step)  # noqa: E731
+
+    def body(carry):
+        i, tokens, positions, live, generated, out, kv_pages = carry
+        page = loop.page_table[rows, positions // s]
+        hidden, kv_pages = _forward(
+            model, impl, mesh, kv_pages, tokens, positions, jnp.where(live, page, p),
+            positions % s, loop.page_table, jnp.where(live, positions + 1, 0), cu,
+            jnp.int32(r), decode=True)
+        new = sample_tokens(model.logits(hidden), loop.keys, sampling(generated))
+        out = out.at[i].set(jnp.where(live, new, -1))
+        generated = generated + live.astype(jnp.int32)
+        stop = jnp.any((new[:, None] == loop.stop_ids) & (loop.stop_ids >= 0), axis=-1)
+        done = ((stop & (generated >= loop.min_tokens)) | (generated >= loop.max_tokens)
+                | (i + 1 >= loop.limit))
+        return (i + 1, new, positions + 1, live & ~done, generated, out, kv_pages)
+
+    def cond(carry):
+        i, live = carry[0], carry[3]
+        return (i < jnp.minimum(loop.num_steps, max_steps)) & jnp.any(live)
+
+    out = jnp.full((max_steps, r), -1, jnp.int32)
+    carry = (jnp.int32(0), loop.tokens, loop.positions, loop.live & (loop.limit > 0),
+             loop.generated, out, state.kv_pages)
+    _, tokens, positions, live, generated, out, kv_pages = jax.lax.while_loop(cond, body, carry)
+    after = loop.replace(tokens=tokens, positions=positions, live=live, generated=generated)
+    return out, after, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
 
 
 class Steps(NamedTuple):
-    """The jitted steps of one model graph and attention backend."""
+    """The jitted programs of one model graph and attention backend."""
 
-    prefill: callable
-    decode: callable
+    step: callable
+    decode_loop: callable  # (params, state, loop) -> (tokens, after, state): <= max steps
+    max_decode_steps: int
 
 
 @functools.lru_cache(maxsize=16)
-def make_steps(graphdef, attention_impl: str = "auto", mesh=None) -> Steps:
-    """Jitted ``prefill`` and ``decode`` for a model graph; cached so they compile once.
+def make_steps(graphdef, attention_impl: str = "auto", mesh=None, max_decode_steps: int = 8
+               ) -> Steps:
+    """Jitted ``step`` and ``decode_loop`` for a model graph; cached so they compile once.
 
     With a ``mesh`` (see `jaxkv.sharding`), params and state are expected on it, sharded
     for tensor parallelism, and attention runs per device inside ``shard_map``."""
     check_attention_impl(attention_impl)
-    prefill = jax.jit(functools.partial(_step, graphdef, attention_impl, False, mesh),
-                      donate_argnums=(1,))
-    decode = jax.jit(functools.partial(_step, graphdef, attention_impl, True, mesh),
-                     donate_argnums=(1,))
-    return Steps(prefill=prefill, decode=decode)
+    if not isinstance(max_decode_steps, int) or max_decode_steps < 1:
+        raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
+    step = jax.jit(functools.partial(_step, graphdef, attention_impl, mesh), donate_argnums=(1,))
+    loop = jax.jit(functools.partial(_decode_loop, graphdef, attention_impl, mesh,
+                                     max_decode_steps), donate_argnums=(1,))
+    return Steps(step=step, decode_loop=loop, max_decode_steps=max_decode_steps)

@@ -55,8 +55,8 @@ STEPS = [
 @pytest.mark.parametrize("case", [pytest.param(s, id=s.name.replace(" ", "-")) for s in STEPS])
 def test_engine_step_kernels_fit_sm90(case, table):
     """The real jitted step lowered for CUDA: its Triton kernels through ptxas."""
-    step, params, state, batch = aot_steps.step_inputs(case, "pallas-gpu")
-    reports = [aot_gpu.compile_call(c) for c in aot_gpu.triton_calls(step, params, state, batch)]
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-gpu")
+    reports = [aot_gpu.compile_call(c) for c in aot_gpu.triton_calls(step, params, state, *inputs)]
     assert len(reports) == 1  # one attention kernel, inside the layer scan
     for r in reports:
         table("Triton kernels of the engine steps, sm_90 (attention_impl='pallas-gpu')",

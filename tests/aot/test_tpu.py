@@ -106,8 +106,8 @@ STEPS = [
 def test_engine_step_updates_the_pool_in_place(chip, case, table):
     """The real jitted step (scanned layers, bf16, the TPU kernel): the donated pool is
     aliased to the output and XLA makes no copy of it (temporaries < 10% of the pool)."""
-    step, params, state, batch = aot_steps.step_inputs(case, "pallas-tpu")
-    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, batch)))
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
+    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
     pool = aot_steps.pool_bytes(state)
     table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
           [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,

@@ -12,8 +12,7 @@ from serving import drive
 import jaxkv
 from jaxkv import LLM, Engine, SamplingParams
 from jaxkv.model.loading import save_params
-from jaxkv.runtime.page_copy import copy_pages
-from jaxkv.runtime.sampling import sample
+from jaxkv.runtime.compiles import count_compiles
 from jaxkv.sharding import bytes_per_device, make_mesh, shard
 
 BASE = jaxkv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -148,14 +147,12 @@ def test_after_warmup_tp2_serving_compiles_nothing(model):
     engine = Engine(model, mesh=make_mesh(2), **dict(SHAPE, num_pages=14,
                                                       max_num_batched_tokens=16))
     engine.warmup()
-    before = (engine.steps.prefill._cache_size(), engine.steps.decode._cache_size(),
-              copy_pages._cache_size(), sample._cache_size())
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt_token_ids=p, sampling_params=GREEDY)
-    drive(engine)
+    with count_compiles() as serving:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt_token_ids=p, sampling_params=GREEDY)
+        drive(engine)
     assert engine.stats().preemptions > 0 and engine.stats().cached_prompt_tokens > 0
-    assert (engine.steps.prefill._cache_size(), engine.steps.decode._cache_size(),
-            copy_pages._cache_size(), sample._cache_size()) == before
+    assert serving.count == 0
 
 
 @pytest.mark.parametrize("impl", ["interpret", "interpret-tpu"])

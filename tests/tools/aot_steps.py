@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxkv.cache.memory import PRESETS
+from jaxkv.engine.warmup import idle_decode_loop
 from jaxkv.kv import init_state
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
-from jaxkv.runtime.batch import padding_batch
+from jaxkv.runtime.batch import PageTable, padding_batch
+from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 
 
@@ -68,19 +72,22 @@ def num_pages(case: StepCase) -> int:
 
 
 def step_inputs(case: StepCase, impl: str):
-    """(jitted step, params, state, batch): abstract inputs of one real jaxkv step."""
+    """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv program:
+    the ragged ``step`` for "prefill" cases (T tokens over B slots), the ``decode_loop`` of B
+    rows for "decode" cases."""
     graphdef, params = abstract_model(case.model, case.dtype)
     config = config_of(case.model)
     pages = num_pages(case)
     width = case.max_model_len // case.page_size
-    state = jax.eval_shape(lambda: init_state(config, pages, case.page_size, case.rows, width,
+    state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
                                               jnp.dtype(case.dtype)))
-    q = 1 if case.kind == "decode" else case.tokens
-    batch = padding_batch(case.tokens, case.rows, q, num_pages=pages, max_seqs=case.rows,
-                          max_pages_per_seq=width)
     steps = make_steps(graphdef, impl)
-    step = steps.decode if case.kind == "decode" else steps.prefill
-    return step, params, state, batch
+    if case.kind == "decode":
+        engine = types.SimpleNamespace(max_pages_per_seq=width)
+        return steps.decode_loop, params, state, idle_decode_loop(engine, case.rows)
+    batch = padding_batch(case.tokens, PageTable(case.rows, width, pages, case.page_size))
+    keys = np.zeros((case.rows, 2), np.uint32)
+    return steps.step, params, state, batch, keys, SamplingArrays.greedy(case.rows)
 
 
 def pool_bytes(state) -> int:

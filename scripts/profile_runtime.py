@@ -1,0 +1,143 @@
+"""Where a decode step's time goes: host work against device work, and the sampler's share.
+
+1. Host profile: a batch of --batch requests decoding on the 125M-parameter fp32 Llama of
+   `bench_peers.py`; every `Engine.step` is split into host time (scheduling, batch building,
+   reservation, dispatch, and applying the tokens) and the wait for the device's tokens.
+   Reported per decode step (a decode loop runs several).
+2. Sampler: the same model with a 128,256-token vocabulary (Llama-3's), batch 32, one decode
+   step of greedy rows against one of temperature-1 rows (inverse-CDF sampling), and top-p
+   0.9 rows (candidate set), and `sample` alone on [32, 128256] logits.
+
+    python scripts/profile_runtime.py [--batch 32] [--prompt-len 128] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import numpy as np
+
+import jaxkv
+from jaxkv.runtime.sampling import SamplingArrays, sample
+
+
+def model_config(vocab: int, layers: int = 12) -> jaxkv.ModelConfig:
+    return jaxkv.ModelConfig(vocab_size=vocab, hidden_size=768, intermediate_size=2048,
+                             num_layers=layers, num_heads=12, num_kv_heads=4, head_dim=64,
+                             tie_word_embeddings=False, max_position_embeddings=4096)
+
+
+class Clock:
+    def __init__(self):
+        self.host = self.wait = 0.0
+
+
+def host_profile(args) -> None:
+    model = jaxkv.random_model(model_config(32000, args.layers), seed=0)
+    engine = jaxkv.Engine(model, num_pages=2048, max_model_len=1024,
+                          max_decode_steps=args.decode_steps)
+    engine.warmup()
+    rng = np.random.default_rng(0)
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), prompt_token_ids=rng.integers(3, 32000, args.prompt_len)
+                           .tolist(), sampling_params=sp)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
+            engine.scheduler.waiting:  # prefill everything first
+        engine.step()
+    clock, steps_before = Clock(), engine.stats().steps
+    wall = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outputs, plan, read, error = engine.dispatch()
+        t1 = time.perf_counter()
+        if read is not None:
+            kind, tokens = read()  # the wait for the device
+            t2 = time.perf_counter()
+            engine.collect((outputs, plan, lambda kind=kind, tokens=tokens: (kind, tokens),
+                            error))
+        else:
+            t2 = t1
+            engine.collect((outputs, plan, read, error))
+        t3 = time.perf_counter()
+        clock.host += (t1 - t0) + (t3 - t2)
+        clock.wait += t2 - t1
+    wall = time.perf_counter() - wall
+    steps = engine.stats().steps - steps_before
+    print(f"host profile: batch {args.batch}, {args.layers} layers, prompts {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, max_decode_steps {args.decode_steps}, "
+          f"async_scheduling {engine.async_scheduling}")
+    print(f"  {steps} decode steps in {wall:.2f} s: {1e3 * wall / steps:.1f} ms per step")
+    print(f"  host work      {1e3 * clock.host / steps:7.2f} ms per step "
+          f"({100 * clock.host / wall:.1f}% of the wall time)")
+    print(f"  device wait    {1e3 * clock.wait / steps:7.2f} ms per step")
+
+
+def sampler_profile(args) -> None:
+    vocab, b = 128256, 32
+    model = jaxkv.random_model(model_config(vocab, args.layers), seed=0)
+    engine = jaxkv.Engine(model, num_pages=1024, max_model_len=512, max_num_seqs=b,
+                          max_decode_steps=8)
+    rng = np.random.default_rng(0)
+
+    def per_step(sp):
+        for i in range(b):
+            engine.add_request(f"{sp.temperature}-{sp.top_p}-{i}", prompt_token_ids=rng.integers(
+                3, vocab, 64).tolist(), sampling_params=sp)
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
+                engine.scheduler.waiting:
+            engine.step()
+        before, t = engine.stats().steps, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return (time.perf_counter() - t) / (engine.stats().steps - before)
+
+    n = 33
+    modes = {"greedy": jaxkv.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+             "temperature 1": jaxkv.SamplingParams(temperature=1.0, max_tokens=n,
+                                                   ignore_eos=True, seed=1),
+             "top_p 0.9": jaxkv.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n,
+                                               ignore_eos=True, seed=1)}
+    engine.warmup()
+    per_step(modes["greedy"])  # warm
+    times = {name: per_step(sp) for name, sp in modes.items()}
+    logits = jax.numpy.asarray(rng.standard_normal((b, vocab)).astype(np.float32))
+    keys = np.zeros((b, 2), np.uint32)
+    alone = {}
+    for name, (t, p) in {"greedy": (0.0, 1.0), "temperature 1": (1.0, 1.0),
+                         "top_p 0.9": (1.0, 0.9)}.items():
+        arrays = SamplingArrays.build([t] * b, [0] * b, [p] * b, [0] * b, b)
+        sample(logits, keys, arrays).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            sample(logits, keys, arrays).block_until_ready()
+        alone[name] = (time.perf_counter() - t0) / 10
+    print(f"sampler: batch {b}, vocab {vocab}, {args.layers} layers")
+    for name in modes:
+        extra = times[name] - times["greedy"]
+        print(f"  {name:<14} decode step {1e3 * times[name]:7.1f} ms (+{1e3 * extra:5.1f} ms vs "
+              f"greedy: {100 * extra / times[name]:4.1f}%); sample() alone "
+              f"{1e3 * alone[name]:5.1f} ms ({100 * alone[name] / times[name]:4.1f}%)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--skip-sampler", action="store_true")
+    args = parser.parse_args(argv)
+    host_profile(args)
+    if not args.skip_sampler:
+        sampler_profile(args)
+    print("reproduce: python scripts/profile_runtime.py " + " ".join(argv or sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
