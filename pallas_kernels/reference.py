@@ -103,7 +103,7 @@ def ragged_paged_attention_reference(
                     vv = jnp.where((kpos[None] < ln[:, None])[:, None, :, None], vv, 0)
                     x = jnp.einsum("tkgd,tkld->tkgl", qb, kk)
                 else:  # kv [K, lc, 2D], one row
-                    vv = jnp.where((kpos < ln[0])[None, :, None], vv, 0)
+                    vv = jnp.where((kpos < jnp.max(ln))[None, :, None], vv, 0)
                     x = jnp.einsum("tkgd,kld->tkgl", qb, kk)
                 return x * sm_scale, vv
 

@@ -21,3 +21,15 @@ def test_bench_cache_small_run(capsys):
                                       "--layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "speedup" in out and "reproduce: python scripts/bench_cache.py" in out
+
+
+def test_bench_peers_small_multiturn(capsys, tmp_path):
+    """The peer benchmark's multiturn rounds (each turn's prompt = the previous prompt, its
+    output and new user tokens) through jaxkv and transformers on a 1-layer model: greedy
+    tokens must agree on every request (fp32, same checkpoint)."""
+    assert _load("bench_peers").main(["--layers", "1", "--hidden", "64", "--repeats", "1",
+                                      "--workloads", "multiturn", "--engines", "hf", "jaxkv",
+                                      "--out", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "jaxkv Engine (tuned) vs transformers generate: 16/16 requests identical" in out
+    assert (tmp_path / "p.png").exists()

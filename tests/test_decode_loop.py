@@ -121,3 +121,33 @@ def test_pipelined_loops_abort_and_admission(tiny_model, tiny_config):
     assert engine.stats().kv_pages_used == 0
     engine.radix.clear()
     assert engine.allocator.num_free == engine.num_pages
+
+
+def test_a_failed_continuation_fails_only_requests_still_running(tiny_model, tiny_config):
+    """A loop in flight continues rows of which one has meanwhile finished and had its id
+    reused: a device error reading it fails only the one still running."""
+    rng = np.random.default_rng(9)
+    engine = Engine(tiny_model, **dict(SHAPE, max_decode_steps=4))
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("a", prompt_token_ids=rng.integers(4, 90, 5).tolist(),
+                       sampling_params=short)
+    engine.add_request("b", prompt_token_ids=rng.integers(4, 90, 5).tolist(),
+                       sampling_params=long)
+    finished = {}
+    while "a" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine._inflight is not None and any(
+        r.request.request_id == "a" for r in engine._inflight.plan.decode_rows)
+    engine.add_request("a", prompt_token_ids=[5, 6, 7], sampling_params=short)  # id reused
+
+    def broken():
+        raise RuntimeError("device lost")
+    engine._inflight.read = broken
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["b"].finished and outs["b"].outputs[0].finish_reason == "error"
+    assert "a" not in outs  # the new "a" never ran in that loop: untouched
+    engine.check()
+    final = drive(engine)
+    assert final["a"].outputs[0].finish_reason == "length"
+    assert engine.stats().kv_pages_used == 0

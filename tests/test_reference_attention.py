@@ -78,6 +78,25 @@ def test_ragged_matches_naive(soft_cap, window):
     assert np.all(np.asarray(got)[t:] == 0)  # padding tokens: finite zeros
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_ragged_blocks_chunks_idle_rows_and_a_leading_gap(window):
+    """Small query blocks and key chunks (so both loops run many times, and blocks are both
+    one-row and mixed), idle rows (no new tokens) between real ones, and queries that start
+    after a gap (cu_q_lens[0] > 0): every real query matches the per-query loop."""
+    rng = np.random.default_rng(1)
+    kv_lens, q_lens = [13, 6, 20, 3, 1], [13, 0, 9, 0, 1]
+    q, kp, vp, table, lens, cu, n, kd, vd = _case(rng, kv_lens=kv_lens, q_lens=q_lens,
+                                                  pad_tokens=0)
+    gap = 3
+    q_gap = np.concatenate([rng.standard_normal((gap, *q.shape[1:])).astype(np.float32), q])
+    got = ragged_paged_attention_reference(
+        *_arrays(q_gap, kp, vp, table, lens, cu + gap, n), sm_scale=0.3,
+        sliding_window=window, block_q=4, block_kv=8)
+    want = _naive(q, kd, vd, kv_lens, q_lens, sm_scale=0.3, window=window)
+    np.testing.assert_allclose(np.asarray(got)[gap:], want, atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(got)[:gap] == 0)
+
+
 def test_decode_matches_ragged():
     rng = np.random.default_rng(1)
     kv_lens = [3, 8, 13]

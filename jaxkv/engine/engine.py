@@ -438,7 +438,7 @@ class Engine:
         abort) ends the chain before its pages can be reused, and a stale write is ordered
         before any later program on the device."""
         reqs = [r.request for r in current.plan.decode_rows]
-        if (not self.async_scheduling or self.scheduler.waiting or self._pending
+        if (not self.async_scheduling or self.scheduler.waiting
                 or len(reqs) != len(self.scheduler.running)
                 or any(q.status is not RequestStatus.RUNNING for q in reqs)):
             return None
@@ -448,9 +448,10 @@ class Engine:
         n = min(self.steps.max_decode_steps, max(left))
         if n < 1:
             return None
-        limits = self.scheduler.reserve(reqs, starts, [min(n, x) for x in left])
-        if not any(limits):
-            return None
+        wants = [min(n, x) for x in left]
+        limits = self.scheduler.reserve(reqs, starts, wants)
+        if any(w > 0 and k == 0 for w, k in zip(wants, limits, strict=True)):
+            return None  # a row without pages: `schedule` (which may preempt) takes over
         table = current.table.copy()  # rows hold the same slots as before
         limit = np.zeros(table.shape[0], np.int32)
         for i, (row, q) in enumerate(zip(current.plan.decode_rows, reqs, strict=True)):
@@ -487,8 +488,15 @@ class Engine:
         message = f"{type(error).__name__}: {error}"
         _log.error("engine step failed; failing its requests: %s", message, exc_info=error)
         now, outputs = time.time(), []
-        for rid in dict.fromkeys(row.request.request_id for row in plan.rows):
-            entry = self._requests.pop(rid)
+        # Only requests still in flight: a continuation loop's plan may name requests that
+        # finished or were aborted (and whose id may since be reused) while it ran.
+        live = {row.request.request_id: row.request for row in plan.rows
+                if not row.request.is_done}
+        for rid, req in live.items():
+            entry = self._requests.get(rid)
+            if entry is None or not any(s is req for s in entry.samples):
+                continue
+            del self._requests[rid]
             entry.error = message
             for s in entry.samples:  # its KV may be half-written: cache none of it
                 if not s.is_done:

@@ -262,12 +262,15 @@ class Scheduler:
     def reserve(self, reqs: Sequence[Request], starts: Sequence[int], wants: Sequence[int]
                 ) -> list[int]:
         """Gives decoding sequences pages for ``wants[i]`` tokens written from position
-        ``starts[i]`` on (fewer where free pages run short: a reservation never evicts or
-        preempts); returns how many tokens each may write, 0 if its pages hold none."""
+        ``starts[i]`` on, evicting from the prefix cache if needed (fewer where pages still run
+        short: a reservation never preempts); returns how many tokens each may write, 0 if its
+        pages hold none."""
         s, limits = self.page_size, []
         for req, start, want in zip(reqs, starts, wants, strict=True):
             want = max(0, want)
             extra = -(-(start + want) // s) - len(req.pages)
+            if extra > self.allocator.num_free:
+                self._evict(extra)  # pages only the prefix cache holds are in no row's table
             if extra > self.allocator.num_free:
                 extra = 0
                 want = max(0, min(want, len(req.pages) * s - start))  # what its pages hold

@@ -24,7 +24,7 @@ from flax import struct
 
 TOP_K_CAP = 256  # candidates for top-k / top-p thresholds
 CDF_BLOCK = 512  # vocabulary entries per block of the two-pass inverse CDF
-_BISECT_STEPS = 40
+_BISECT_STEPS = 64
 
 
 @struct.dataclass
@@ -93,7 +93,8 @@ def _threshold(x, top_k, top_p):
     b, v = x.shape
     cap = min(TOP_K_CAP, v)
     vals = jax.lax.top_k(x, cap)[0]  # [B, cap], descending
-    lo, hi = jnp.min(x, axis=-1), vals[:, 0]
+    lo = jnp.min(jnp.where(jnp.isfinite(x), x, jnp.inf), axis=-1)  # masked (-inf) logits
+    hi = vals[:, 0]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
     thr_k = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, cap - 1)[:, None], axis=-1)[:, 0]
     thr_k = jnp.where(k <= cap, thr_k, lo)

@@ -43,7 +43,7 @@ class DecodeLoopBatch:
     tokens: jax.Array  # i32[R]  each row's pending token (sampled, its K/V not yet written)
     positions: jax.Array  # i32[R]  its position
     page_table: jax.Array  # i32[R, W]  pages reserved for every token this loop may write
-    live: jax.Array  # bool[R]
+    live: jax.Array  # bool[R]  a real, unfinished sequence (it runs while its limit allows)
     limit: jax.Array  # i32[R]  tokens the row may sample in this loop (its pages allow)
     generated: jax.Array  # i32[R]  output tokens so far (the pending one included)
     min_tokens: jax.Array  # i32[R]
@@ -120,29 +120,35 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
     sampling = lambda step: SamplingArrays(loop.temperature, loop.top_k, loop.top_p, step)  # noqa: E731
 
     def body(carry):
-        i, tokens, positions, live, generated, out, kv_pages = carry
+        i, tokens, positions, running, finished, generated, out, kv_pages = carry
         page = loop.page_table[rows, positions // s]
         hidden, kv_pages = _forward(
-            model, impl, mesh, kv_pages, tokens, positions, jnp.where(live, page, p),
-            positions % s, loop.page_table, jnp.where(live, positions + 1, 0), cu,
+            model, impl, mesh, kv_pages, tokens, positions, jnp.where(running, page, p),
+            positions % s, loop.page_table, jnp.where(running, positions + 1, 0), cu,
             jnp.int32(r), decode=True)
         new = sample_tokens(model.logits(hidden), loop.keys, sampling(generated))
-        out = out.at[i].set(jnp.where(live, new, -1))
-        generated = generated + live.astype(jnp.int32)
+        out = out.at[i].set(jnp.where(running, new, -1))
+        generated = generated + running.astype(jnp.int32)
         stop = jnp.any((new[:, None] == loop.stop_ids) & (loop.stop_ids >= 0), axis=-1)
-        done = ((stop & (generated >= loop.min_tokens)) | (generated >= loop.max_tokens)
-                | (i + 1 >= loop.limit))
-        return (i + 1, new, positions + 1, live & ~done, generated, out, kv_pages)
+        ends = running & ((stop & (generated >= loop.min_tokens))
+                          | (generated >= loop.max_tokens))
+        # A row out of reserved steps pauses (a continuation may go on); one that ended stops.
+        running = running & ~ends & (i + 1 < loop.limit)
+        tokens = jnp.where(out[i] >= 0, new, tokens)
+        positions = positions + (out[i] >= 0).astype(jnp.int32)
+        return (i + 1, tokens, positions, running, finished | ends, generated, out, kv_pages)
 
     def cond(carry):
-        i, live = carry[0], carry[3]
-        return (i < jnp.minimum(loop.num_steps, max_steps)) & jnp.any(live)
+        i, running = carry[0], carry[3]
+        return (i < jnp.minimum(loop.num_steps, max_steps)) & jnp.any(running)
 
     out = jnp.full((max_steps, r), -1, jnp.int32)
     carry = (jnp.int32(0), loop.tokens, loop.positions, loop.live & (loop.limit > 0),
-             loop.generated, out, state.kv_pages)
-    _, tokens, positions, live, generated, out, kv_pages = jax.lax.while_loop(cond, body, carry)
-    after = loop.replace(tokens=tokens, positions=positions, live=live, generated=generated)
+             jnp.zeros_like(loop.live), loop.generated, out, state.kv_pages)
+    _, tokens, positions, _, finished, generated, out, kv_pages = jax.lax.while_loop(
+        cond, body, carry)
+    after = loop.replace(tokens=tokens, positions=positions, live=loop.live & ~finished,
+                         generated=generated)
     return out, after, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
 
 
