@@ -24,7 +24,7 @@ from flax import struct
 
 TOP_K_CAP = 256  # candidates for top-k / top-p thresholds
 CDF_BLOCK = 512  # vocabulary entries per block of the two-pass inverse CDF
-_BISECT_STEPS = 64
+_BISECT_STEPS = 40
 
 
 @struct.dataclass
@@ -120,20 +120,25 @@ def _threshold(x, top_k, top_p):
 
 def sample_tokens(logits, keys, sampling: SamplingArrays):
     """i32[B] next tokens from f32[B, V] logits; ``keys`` are raw u32[B, 2] PRNG keys."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    hot = sampling.temperature > 0
+
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def stochastic():
         step_keys = jax.vmap(jax.random.fold_in)(keys, sampling.step)
         u = jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(step_keys)
         x = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
         filtered = (sampling.top_k > 0) | (sampling.top_p < 1)
-        thr = jax.lax.cond(jnp.any(filtered & (sampling.temperature > 0)),
+        thr = jax.lax.cond(jnp.any(filtered & hot),
                            lambda: _threshold(x, sampling.top_k, sampling.top_p),
                            lambda: jnp.full(x.shape[:1], -jnp.inf))
         x = jnp.where(x >= thr[:, None], x, -jnp.inf)
-        return jnp.where(sampling.temperature > 0, _inverse_cdf(x, u), greedy)
+        drawn = _inverse_cdf(x, u)
+        # The argmax pass only when some row is greedy.
+        return jnp.where(hot, drawn, jax.lax.cond(jnp.all(hot), lambda: drawn, greedy))
 
-    return jax.lax.cond(jnp.any(sampling.temperature > 0), stochastic, lambda: greedy)
+    return jax.lax.cond(jnp.any(hot), stochastic, greedy)
 
 
 sample = jax.jit(sample_tokens)  # the same, as its own program (fork samples, tests)
