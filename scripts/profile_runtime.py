@@ -8,12 +8,15 @@
    step of greedy rows against one of temperature-1 rows (inverse-CDF sampling), and top-p
    0.9 rows (candidate set), and `sample` alone on [32, 128256] logits.
 
-    python scripts/profile_runtime.py [--batch 32] [--prompt-len 128] [--new-tokens 64]
+3. Width: 8 sequences of <= 50 tokens decoding at max_model_len 64 and 8192.
+
+    python scripts/profile_runtime.py [--parts host sampler width] [--batch 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -123,6 +126,28 @@ def sampler_profile(args) -> None:
               f"{1e3 * alone[name]:5.1f} ms ({100 * alone[name] / times[name]:4.1f}%)")
 
 
+def width_profile(args) -> None:
+    """Decode step time for short sequences against max_model_len (the page table's width)."""
+    cfg = dataclasses.replace(model_config(32000, args.layers), max_position_embeddings=8192)
+    model = jaxkv.random_model(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 32000, 30).tolist() for _ in range(8)]
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    print(f"width: 8 sequences of <= 50 tokens, {args.layers} layers")
+    for max_len in (64, 8192):
+        engine = jaxkv.Engine(model, num_pages=256, max_model_len=max_len, max_num_seqs=8)
+        engine.warmup()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), prompt_token_ids=p, sampling_params=sp)
+        engine.step()  # the prefill
+        before, t = engine.stats().steps, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        per = (time.perf_counter() - t) / (engine.stats().steps - before)
+        print(f"  max_model_len {max_len:5d} (page table width {engine.max_pages_per_seq:4d}): "
+              f"{1e3 * per:.1f} ms per decode step")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -130,11 +155,11 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--decode-steps", type=int, default=8)
-    parser.add_argument("--skip-sampler", action="store_true")
+    parser.add_argument("--parts", nargs="+", default=["host", "sampler", "width"],
+                        choices=["host", "sampler", "width"])
     args = parser.parse_args(argv)
-    host_profile(args)
-    if not args.skip_sampler:
-        sampler_profile(args)
+    for part in args.parts:
+        {"host": host_profile, "sampler": sampler_profile, "width": width_profile}[part](args)
     print("reproduce: python scripts/profile_runtime.py " + " ".join(argv or sys.argv[1:]))
     return 0
 

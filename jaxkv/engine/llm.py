@@ -47,7 +47,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  attention_impl: str = "auto", seed: int = 0, dtype: str = "float32",
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 max_decode_steps: int = 8):
+                 max_decode_steps: int | None = None):
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
                             ("data_parallel_size", data_parallel_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -58,8 +58,15 @@ def warmup(engine) -> int:
                 keys, arrays)
             sample(logits, keys, arrays)  # the fork sampler: same shapes for every bucket
         elif kind == "decode_loop":
+            idle = idle_decode_loop(engine, size)
+            _, after, engine.state = engine.steps.decode_loop(engine.model.params,
+                                                              engine.state, idle)
+            # A continuation takes the previous loop's outputs (device arrays, placed as the
+            # mesh puts them), which may be a different signature from host arrays.
+            chained = after.replace(page_table=idle.page_table, limit=idle.limit,
+                                    num_steps=idle.num_steps)
             _, _, engine.state = engine.steps.decode_loop(engine.model.params, engine.state,
-                                                          idle_decode_loop(engine, size))
+                                                          chained)
         elif kind == "copy_pages":  # one pair to a dropped destination, padded to `size`
             engine.state = copy_pages_padded(engine.state, [(0, engine.num_pages)], (size,))
         elif kind == "fill_pages":

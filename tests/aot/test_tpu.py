@@ -114,6 +114,9 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
            f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
            f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
     assert len(r.vmem_bytes) == 1  # one Mosaic kernel (in the layer scan), not the reference
-    assert r.temp_bytes < 0.1 * pool
+    # The step samples on device: its [B, V] f32 temporaries (logits, scaled, exp, masks;
+    # 33-131 MB each at a 128K vocabulary) come on top, and are no copy of the pool.
+    sampler = 12 * case.rows * aot_steps.config_of(case.model).vocab_size * 4
+    assert r.temp_bytes < 0.1 * pool + sampler
     assert r.largest_copy() < 0.1 * pool
     assert r.alias_bytes >= pool  # the output pool reuses the donated input buffer

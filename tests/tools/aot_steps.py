@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,6 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.cache.memory import PRESETS
-from jaxkv.engine.warmup import idle_decode_loop
 from jaxkv.kv import init_state
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
@@ -72,9 +70,8 @@ def num_pages(case: StepCase) -> int:
 
 
 def step_inputs(case: StepCase, impl: str):
-    """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv program:
-    the ragged ``step`` for "prefill" cases (T tokens over B slots), the ``decode_loop`` of B
-    rows for "decode" cases."""
+    """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv ragged
+    ``step`` (T tokens over B slots)."""
     graphdef, params = abstract_model(case.model, case.dtype)
     config = config_of(case.model)
     pages = num_pages(case)
@@ -82,9 +79,8 @@ def step_inputs(case: StepCase, impl: str):
     state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
                                               jnp.dtype(case.dtype)))
     steps = make_steps(graphdef, impl)
-    if case.kind == "decode":
-        engine = types.SimpleNamespace(max_pages_per_seq=width)
-        return steps.decode_loop, params, state, idle_decode_loop(engine, case.rows)
+    # "decode" cases: the ragged step with one token per row, what GPU/TPU engines run by
+    # default (max_decode_steps=1 there; see jaxkv.engine.Engine).
     batch = padding_batch(case.tokens, PageTable(case.rows, width, pages, case.page_size))
     keys = np.zeros((case.rows, 2), np.uint32)
     return steps.step, params, state, batch, keys, SamplingArrays.greedy(case.rows)
