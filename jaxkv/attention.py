@@ -64,7 +64,7 @@ def _backend(impl: str) -> tuple[str, bool]:
 
 
 def paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs, *,
-                    decode: bool, sm_scale, sliding_window=None, max_q_len=None, impl="auto"):
+                    decode: bool, sm_scale, sliding_window=None, impl="auto"):
     """[T, H, D] attention of a step's tokens over layer `layer` of [L, K, P, S, 2D] pages.
 
     ``decode`` (static): one token per row, rows aligned with tokens; uses the decode kernel.
@@ -76,4 +76,4 @@ def paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs
         b = page_table.shape[0]
         return paged_decode_attention(q[:b], kv_pages, page_table, kv_lens, **common)
     return ragged_paged_attention(q, kv_pages, page_table, kv_lens, cu_q_lens, num_seqs,
-                                  max_q_len=max_q_len, **common)
+                                  **common)

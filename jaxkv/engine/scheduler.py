@@ -250,14 +250,19 @@ class Scheduler:
             if req.forks:
                 self._fork(req)
             for seq, token in zip(row.samples, tokens, strict=True):
-                reason = seq.append_token(int(token), self.eos_token_ids)
-                self.counters.generated_tokens += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if reason is not None:
-                    self.finish(seq, reason, now)
+                self._take_token(seq, token, now)
                 progressed.append(seq)
         return progressed
+
+    def _take_token(self, seq: Request, token: int, now: float) -> bool:
+        """Appends a sampled token to a sequence; True if it finished the sequence."""
+        reason = seq.append_token(int(token), self.eos_token_ids)
+        self.counters.generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if reason is not None:
+            self.finish(seq, reason, now)
+        return reason is not None
 
     def reserve(self, reqs: Sequence[Request], starts: Sequence[int], wants: Sequence[int]
                 ) -> list[int]:
@@ -291,12 +296,7 @@ class Scheduler:
                 continue
             for token in toks:
                 req.num_computed_tokens += 1
-                reason = req.append_token(int(token), self.eos_token_ids)
-                self.counters.generated_tokens += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if reason is not None:
-                    self.finish(req, reason, now)
+                if self._take_token(req, token, now):
                     break
             if toks:
                 progressed.append(req)

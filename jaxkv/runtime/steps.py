@@ -76,7 +76,7 @@ def _forward(model, impl, mesh, kv_pages, tokens, positions, write_pages, write_
         out = paged_attention(
             q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
             decode=decode, sm_scale=c.sm_scale, sliding_window=c.sliding_window,
-            max_q_len=q.shape[0], impl=impl,
+            impl=impl,
         )
         return out, kv_pages
 
