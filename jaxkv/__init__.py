@@ -20,7 +20,7 @@ from jaxkv.errors import (
 from jaxkv.kv import PagedKVState, init_state
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.pretrained import Model, load_default, load_pretrained, random_model
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh, shard
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "ModelConfig",
     "PagedKVState",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "UnsupportedModelError",
     "generate",

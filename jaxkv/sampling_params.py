@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a streaming request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # every output so far, on every step
+    DELTA = 1  # only the tokens and text new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,7 +22,15 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p=1`` disables
     nucleus sampling. ``seed=None`` lets the caller derive a reproducible seed from the
     request's index. Stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) end a
-    sequence and are included in its token ids, once ``min_tokens`` have been generated.
+    sequence and are included in its token ids. As in vLLM, they cannot be sampled (their
+    logits are masked) until ``min_tokens`` other tokens have been generated.
+
+    ``stop`` strings (needs a tokenizer) end a sequence once its text contains one, even across
+    token boundaries, and only after ``min_tokens``; the text is cut before the stop string
+    (``include_stop_str_in_output`` keeps it) while token ids keep the token that completed it.
+    Until a request finishes, its text holds back the last ``len(longest stop) - 1``
+    characters, which a stop string could still claim. ``output_kind`` chooses cumulative,
+    delta or final-only outputs for streaming; ``skip_special_tokens`` applies to the text.
     """
 
     n: int = 1
@@ -25,6 +42,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # a str or a sequence of them
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         def fail(field, value, why):
@@ -50,8 +71,9 @@ class SamplingParams:
             fail("max_tokens", self.max_tokens, "must be an int >= 1")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             fail("min_tokens", self.min_tokens, "must be an int in [0, max_tokens]")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            fail("seed", self.seed, "must be None or an int >= 0")
+        if self.seed is not None and (not is_int(self.seed)
+                                      or not -(2**63) <= self.seed < 2**64):
+            fail("seed", self.seed, "must be None or an int in [-2**63, 2**64) (vLLM's range)")
         if isinstance(self.stop_token_ids, (str, bytes, int)):
             fail("stop_token_ids", self.stop_token_ids, "must be a sequence of token ids")
         stop = tuple(self.stop_token_ids or ())
@@ -60,11 +82,39 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", self.ignore_eos, "must be a bool")
         object.__setattr__(self, "stop_token_ids", stop)
+        words = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(w, str) or not w for w in words):
+            fail("stop", self.stop, "must be a non-empty string or a sequence of them")
+        object.__setattr__(self, "stop", words)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, getattr(self, name), "must be a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", self.output_kind, "must be a RequestOutputKind")
+
+    def stop_ids(self, eos_token_ids) -> tuple[int, ...]:
+        """Every token id that ends this sequence: ``stop_token_ids``, then EOS unless
+        ``ignore_eos``."""
+        eos = () if self.ignore_eos else tuple(eos_token_ids)
+        return tuple(dict.fromkeys((*self.stop_token_ids, *eos)))
+
+    def banned_ids(self, num_generated: int, eos_token_ids) -> tuple[int, ...]:
+        """Ids the next token may not be (it is output token ``num_generated``, from 0): the
+        stop ids while fewer than ``min_tokens`` tokens have been generated."""
+        return self.stop_ids(eos_token_ids) if num_generated < self.min_tokens else ()
 
     def finish_reason(self, token: int, num_generated: int, eos_token_ids) -> str | None:
         """Why a sequence ends after sampling `token` as its `num_generated`-th output token:
-        "stop" (a stop token, once min_tokens are out), "length" (max_tokens), or None."""
+        "stop" (a stop token; masked until min_tokens are out, so it comes after them),
+        "length" (max_tokens), or None."""
         stop = token in self.stop_token_ids or (token in eos_token_ids and not self.ignore_eos)
-        if stop and num_generated >= self.min_tokens:
+        if stop and num_generated > self.min_tokens:
             return "stop"
         return "length" if num_generated >= self.max_tokens else None
+
+    @property
+    def stop_buffer(self) -> int:
+        """Characters an unfinished text holds back: a stop string may still end there."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(w) for w in self.stop) - 1

@@ -148,6 +148,9 @@ BAD = [
     pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
         stop_token_ids=[3, 200])), ValueError, r"stop_token_ids=\(3, 200\): 200 is not a token",
         id="stop token outside vocab"),
+    pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
+        min_tokens=2, stop_token_ids=list(range(4, 24)))), ValueError,
+        r"SamplingParams.stop_token_ids=.*at most 16 stop ids", id="min_tokens, 20 stop ids"),
     # --- Engine.abort -----------------------------------------------------------------------
     pytest.param(lambda ctx: ctx.engine.abort("nope"), ValueError,
                  "no unfinished request with request_id 'nope'", id="abort unknown id"),
@@ -169,7 +172,10 @@ BAD = [
     pytest.param(_sp(n=True), ValueError, r"SamplingParams.n=True", id="n bool"),
     pytest.param(_sp(min_tokens=9, max_tokens=4), ValueError, r"SamplingParams.min_tokens=9",
                  id="min_tokens > max_tokens"),
-    pytest.param(_sp(seed=-1), ValueError, r"SamplingParams.seed=-1", id="seed < 0"),
+    pytest.param(_sp(seed=2**64), ValueError, r"SamplingParams.seed=18446744073709551616",
+                 id="seed >= 2**64"),
+    pytest.param(_sp(seed=-(2**63) - 1), ValueError, r"SamplingParams.seed=-9223372036854775809",
+                 id="seed < -2**63"),
     pytest.param(_sp(stop_token_ids=[-4]), ValueError, r"SamplingParams.stop_token_ids=\[-4\]",
                  id="negative stop token"),
     # --- LLM.generate -----------------------------------------------------------------------

@@ -31,7 +31,7 @@ def _requests(vocab, seed):
         prompt = rng.integers(4, vocab, int(rng.integers(2, 20))).tolist()
         kinds = [dict(temperature=0, ignore_eos=True),
                  dict(temperature=0, stop_token_ids=[int(t) for t in rng.integers(4, vocab, 6)]),
-                 dict(temperature=0, min_tokens=5, stop_token_ids=list(range(4, vocab, 2))),
+                 dict(temperature=0, min_tokens=5, stop_token_ids=list(range(4, 34, 2))),
                  dict(temperature=0.8, top_k=8, seed=i),
                  dict(temperature=1.0, top_p=0.9, seed=i),
                  dict(temperature=0)]  # EOS (token 3) ends it
@@ -54,16 +54,19 @@ def test_loop_gives_the_tokens_of_single_steps(tiny_model, tiny_config, seed, pi
 
 
 def test_stop_after_min_tokens_inside_the_loop(tiny_model):
-    """The first greedy tokens are stop tokens: without min_tokens the request would stop at
-    once; with min_tokens=6 the loop must skip them until 6 tokens are out."""
+    """The first greedy tokens are stop tokens: the loop must mask them (vLLM's min_tokens)
+    until 6 tokens are out, exactly as single steps do, and may stop only after them."""
     greedy_ids = _serve(tiny_model, [("a", [5, 6, 7], SamplingParams(
         temperature=0, max_tokens=20, ignore_eos=True))], max_decode_steps=1)[0]["a"][0][0]
     stops = list(dict.fromkeys(greedy_ids[:8]))  # at most 8: checked on device
     sp = SamplingParams(temperature=0, min_tokens=6, max_tokens=20, stop_token_ids=stops,
                         ignore_eos=True)
-    stop_at = next(i for i, t in enumerate(greedy_ids) if t in stops and i + 1 >= 6)
+    one = _serve(tiny_model, [("a", [5, 6, 7], sp)], max_decode_steps=1)[0]["a"][0]
     out = _serve(tiny_model, [("a", [5, 6, 7], sp)], max_decode_steps=8)[0]["a"][0]
-    assert out == (greedy_ids[:stop_at + 1], "stop")
+    assert out == one
+    toks, reason = out
+    assert toks[0] != greedy_ids[0] and not set(toks[:6]) & set(stops)
+    assert reason == "length" or (toks[-1] in stops and len(toks) > 6)
 
 
 def test_reservation_under_memory_pressure(tiny_model, tiny_config):

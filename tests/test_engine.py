@@ -69,9 +69,31 @@ def test_stop_tokens_and_min_tokens(tiny_model, tiny_config):
     first = base.index(stop)
     out = complete(engine, "stop", prompt, greedy(12, stop_token_ids=(stop,))).outputs[0]
     assert out.token_ids == base[:first + 1] and out.finish_reason == "stop"
+    # vLLM's min_tokens: the stop token is masked until min_tokens tokens are out, so the
+    # output follows greedy up to where it would have stopped, then takes another token.
     out = complete(engine, "min", prompt,
                    greedy(12, stop_token_ids=(stop,), min_tokens=first + 2)).outputs[0]
-    assert out.token_ids[:first + 2] == base[:first + 2]
+    assert out.token_ids[:first] == base[:first] and out.token_ids[first] != stop
+    assert stop not in out.token_ids[:first + 2]
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == stop and len(out.token_ids) > first + 2
+
+
+def test_seeds_use_all_64_bits(tiny_model, tiny_config):
+    """vLLM accepts any 64-bit seed: seeds >= 2**32 must not alias their low word (and must
+    not raise from inside add_request); -1 is 2**64 - 1, as torch takes it."""
+    prompt = tokens(np.random.default_rng(3), 12, tiny_config.vocab_size)
+    engine = Engine(tiny_model, **SMALL)
+
+    def draw(seed):
+        sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
+        return complete(engine, f"s{seed}", prompt, sp).outputs[0].token_ids
+
+    low, high, top = draw(5), draw(2**32 + 5), draw(2**64 - 1)
+    assert low != high and low == draw(5)
+    assert draw(-1) == top
+    with pytest.raises(ValueError, match=r"SamplingParams\.seed=18446744073709551616"):
+        SamplingParams(seed=2**64)
 
 
 def test_multi_turn_chat_reuses_the_whole_previous_turn(tiny_model, tiny_config):

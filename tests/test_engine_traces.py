@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 import jaxkv
 from jaxkv import Engine, SamplingParams
+from jaxkv.engine.scheduler import SchedulerOutput
+from jaxkv.runtime.page_copy import fill_pages
 
 # One engine shape for every example, so all examples share compiled programs.
 SHAPE = dict(page_size=4, num_pages=24, max_num_seqs=4, max_model_len=64,
@@ -127,3 +129,51 @@ def test_nan_filled_freed_pages_change_nothing(tiny_model, caching):
     if not caching:  # with caching, finished requests' pages stay in the cache, not free
         assert poisoned > 0  # the option really wrote NaN into free pages
     assert dirty == clean
+
+
+def _run_forks(model, seed, **kw):
+    """Sampled requests with n = 1..3 forks, shared prefixes and a pool small enough that
+    forks copy-on-write shared pages while siblings are preempted and the cache is evicted."""
+    engine = Engine(model, **SHAPE, **kw)
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(4, 96, 14).tolist()
+    for i in range(5):
+        prompt = (shared if i % 2 else []) + rng.integers(4, 96, int(rng.integers(5, 12))).tolist()
+        engine.add_request(str(i), prompt_token_ids=prompt, sampling_params=SamplingParams(
+            n=int(rng.integers(2, 4)), temperature=1.0, seed=i, max_tokens=20, ignore_eos=True))
+    outs, poisoned = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.check()
+        free = [p for p in range(engine.num_pages) if engine.allocator.refcount(p) == 0]
+        poisoned += int(np.isnan(np.asarray(engine.state.kv_pages)[:, :, free]).any()) \
+            if free else 0
+    return outs, engine.stats(), poisoned
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nan_filled_freed_pages_change_nothing_with_forks(tiny_model, seed):
+    """Sampled forks (n = 2, 3) under preemption give the same tokens with freed pages
+    poisoned; without the prefix cache freed pages stay free, so NaN is really written."""
+    clean, stats, _ = _run_forks(tiny_model, seed, enable_prefix_caching=False)
+    dirty, _, poisoned = _run_forks(tiny_model, seed, debug_nan_freed_pages=True,
+                                    enable_prefix_caching=False)
+    assert poisoned > 0 and stats.generated_tokens > 100
+    assert dirty == clean
+
+
+def test_poisoning_runs_after_the_copies_of_its_step(tiny_model):
+    """A copy-on-write source that this very plan freed (a preempted sibling held its last
+    reference) is copied before freed pages are filled with NaN, so the copy holds its KV."""
+    engine = Engine(tiny_model, page_size=4, num_pages=8, max_num_seqs=2, max_model_len=32,
+                    max_num_batched_tokens=16, debug_nan_freed_pages=True,
+                    enable_prefix_caching=False)
+    src, dst = engine.allocator.allocate(2)
+    engine.state = fill_pages(engine.state, np.array([src], np.int32), 1.0)
+    engine.allocator.free([src])
+    assert engine._launch(SchedulerOutput(copies=[(src, dst)])) is None  # no rows to run
+    kv = np.asarray(engine.state.kv_pages)
+    assert (kv[:, :, dst] == 1.0).all()  # the KV it had when the plan was made
+    assert np.isnan(kv[:, :, src]).all()  # and the freed page is poisoned

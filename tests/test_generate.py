@@ -59,7 +59,8 @@ def test_stop_tokens_and_max_tokens(tiny_model, prompts, baseline):
     assert out == baseline[0][: first + 1]
     sp_min = jaxkv.SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop_at,),
                                   min_tokens=first + 2, ignore_eos=True)
-    assert len(jaxkv.generate(tiny_model, prompts[:1], sp_min)[0]) > first + 1
+    got = jaxkv.generate(tiny_model, prompts[:1], sp_min)[0]
+    assert got[:first] == baseline[0][:first] and stop_at not in got[:first + 2]
 
 
 def test_seeded_sampling_is_reproducible_and_per_request(tiny_model, prompts):

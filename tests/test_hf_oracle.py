@@ -248,6 +248,35 @@ def test_greedy_tokens_match_hf_generate(checkpoints, name):
     assert all(len(set(w)) > 5 for w in want)  # not a degenerate one-token loop
 
 
+def test_min_tokens_masks_stop_tokens_as_hf_min_new_tokens(checkpoints):
+    """vLLM's min_tokens (and HF's min_new_tokens): a stop token cannot be sampled before
+    min_tokens tokens are out, so the reply continues past where greedy would have stopped,
+    and it may stop right after them."""
+    hf, _, model = checkpoints("qwen2")
+    prompt, n, k = PROMPTS[1], 24, 8
+    free = _hf_greedy(hf, prompt, n)
+    stop = free[2]  # greedy would stop at token 3 (or earlier, at its first occurrence)
+    saved = hf.generation_config
+    hf.generation_config = copy.deepcopy(saved)
+    hf.generation_config.update(eos_token_id=stop, pad_token_id=0, do_sample=False,
+                                max_new_tokens=n, min_new_tokens=k)
+    try:
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]))[0, len(prompt):].tolist()
+    finally:
+        hf.generation_config = saved
+    if stop in want:
+        want = want[:want.index(stop) + 1]  # HF pads after its eos
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=n, min_tokens=k, ignore_eos=True,
+                              stop_token_ids=(stop,))
+    got = jaxkv.generate(model, [prompt], sp, page_size=PAGE_SIZE)[0]
+    assert got == want
+    assert stop not in got[:k] and got[:free.index(stop)] == free[:free.index(stop)]
+    out = jaxkv.LLM(model, page_size=PAGE_SIZE).generate(prompt_token_ids=[prompt],
+                                                         sampling_params=sp, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want
+
+
 # --- loading ----------------------------------------------------------------------------------
 
 

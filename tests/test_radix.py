@@ -174,14 +174,28 @@ def test_tail_eviction_frees_only_what_is_needed():
     assert_consistent(a, r)
 
 
-def test_eviction_counts_only_pages_that_become_free():
+def test_eviction_keeps_entries_whose_pages_a_running_sequence_holds():
     a, r = make(num_pages=8)
     held = a.allocate(2)  # a running request still holds these
     r.insert(list(range(8)), held)
     cache_sequence(a, r, [9, 9, 9, 9])
-    assert r.evict(8) == 1  # everything dropped, but only the finished sequence's page freed
-    assert r.num_held_pages == 0 and a.num_free == 6
+    # Only the finished sequence's page can be freed; dropping the running one's entry would
+    # free nothing and lose it while its pages stay in memory.
+    assert r.evict(8) == 1
+    assert r.match_prefix(list(range(8))).num_tokens == 8 and r.num_held_pages == 2
+    assert a.num_free == 6
     assert_consistent(a, r, held)
+    a.free(held)  # the request finished: now its entry frees pages
+    assert r.evict(8) == 2 and r.num_held_pages == 0 and a.num_free == 8
+
+
+def test_eviction_frees_a_leaf_whose_first_page_its_parent_shares():
+    a, r = make(num_pages=8)
+    cache_sequence(a, r, [1, 2, 3, 4, 5, 6])  # pages for [1..4], [5, 6]
+    cache_sequence(a, r, [1, 2, 3, 4, 5, 7])  # splits after 5: both halves hold page index 1
+    assert r.evict(8) == 3  # the cache alone holds them all, a page two nodes share included
+    assert r.num_held_pages == 0 and a.num_free == 8
+    assert_consistent(a, r)
 
 
 def test_stats_count_query_and_hit_tokens():

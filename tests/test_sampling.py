@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.runtime.sampling import SamplingArrays, sample
+from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
 
 
 def _keys(n, seed=0):
@@ -106,7 +106,8 @@ def test_rows_use_their_own_keys_and_steps():
     (dict(n=0), "n"), (dict(temperature=-0.5), "temperature"),
     (dict(temperature=math.nan), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=-1), "seed"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=2**64), "seed"),
+    (dict(seed=1.5), "seed"), (dict(seed=True), "seed"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
@@ -118,3 +119,15 @@ def test_sampling_params_defaults_follow_vllm():
     sp = SamplingParams()
     assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (1, 1.0, 1.0, 0, 16)
     assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    """Seeds >= 2**32 must not alias their low word; a negative seed is its value modulo
+    2**64 (as torch.Generator.manual_seed takes it); small seeds keep PRNGKey(seed)'s keys."""
+    keys = {s: tuple(request_key(s)) for s in (5, 2**32 + 5, 2**63 + 5, 2**64 - 1)}
+    assert len(set(keys.values())) == 4
+    assert tuple(request_key(-1)) == keys[2**64 - 1]
+    want = jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(5), 0))
+    np.testing.assert_array_equal(request_key(5), np.asarray(want, np.uint32))
+    with pytest.raises(ValueError, match="seed=18446744073709551616"):
+        request_key(2**64)

@@ -9,7 +9,7 @@ import pytest
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine.request import Request, RequestStatus
-from jaxkv.engine.scheduler import FCFS_QUEUE_LEN, Scheduler
+from jaxkv.engine.scheduler import FCFS_QUEUE_LEN, MAX_SKIPS, Scheduler
 from jaxkv.sampling_params import SamplingParams
 
 TOKEN = 7  # every "sampled" token
@@ -245,3 +245,62 @@ def test_admission_falls_back_to_whole_pages_when_the_partial_page_is_the_one_mi
     # Reusing 10 tokens would lock the partly matched page that b's copy needs room beside.
     assert b.num_cached_tokens == 8 and not plan.copies
     assert shape(plan) == ([], [(8, 4)]) and b.finish_reason == "length"
+
+
+def test_decodes_take_turns_when_they_outnumber_the_budget():
+    """4 decoding sequences (the samples of one n=4 request) and a budget of 2 tokens a step:
+    every one gets a token at least every ceil(4 / 2) = 2 steps (without turns the newest two
+    waited for the oldest to end)."""
+    s = make(num_pages=64, page_size=4, max_num_seqs=4, budget=2)
+    reqs = add(s, [5, 6], max_tokens=12, n=4)
+    last, worst, t = {}, 0, 0
+    while s.has_unfinished():
+        t += 1
+        step(s)
+        for r in reqs:
+            if r.num_output_tokens and r.status is RequestStatus.RUNNING:
+                if last.get(r, (0, 0))[0] != r.num_output_tokens:
+                    last[r] = (r.num_output_tokens, t)
+                worst = max(worst, t - last[r][1])
+        assert t < 200
+    assert all(r.num_output_tokens == 12 for r in reqs)
+    assert worst <= 1  # at most one step without a token in between
+
+
+def test_aging_admits_a_cold_request_among_cache_hits():
+    """Cache-hitting arrivals at the service rate must not starve a request with no hit: it
+    goes first once MAX_SKIPS later arrivals have been admitted ahead of it."""
+    s = make(num_pages=64, page_size=4, max_num_seqs=1, budget=64)
+    prefix = list(range(1, 13))
+    add(s, prefix + [50], max_tokens=1)
+    drain(s)  # the prefix is cached
+    cold = add(s, [90, 91, 92, 93, 94], max_tokens=1)
+    for i in range(3 * MAX_SKIPS):
+        add(s, prefix + [60 + i, 61], max_tokens=1)  # one hit arrives per step, served at once
+        step(s)
+        if cold.status is not RequestStatus.WAITING:
+            break
+    assert cold.status is not RequestStatus.WAITING, cold.skipped
+    assert i >= MAX_SKIPS - 1  # the hits did go first until then
+
+
+def test_a_retried_admission_counts_its_prefix_query_once():
+    """A request that cannot be admitted for several steps (no free page) must not count its
+    prefix match again each step: hit statistics would inflate under memory pressure."""
+    s = make(num_pages=6, page_size=4, max_num_seqs=2, budget=64)
+    prefix = list(range(1, 9))
+    add(s, prefix + [40], max_tokens=1)
+    drain(s)  # 2 pages cached
+    a = add(s, list(range(20, 32)), max_tokens=4)  # 3 pages, then a 4th: none left
+    step(s)
+    step(s)
+    before = dict(s.radix.stats())
+    b = add(s, prefix + [9] * 5, max_tokens=1)  # needs 2 fresh pages beside its 2 cached
+    blocked = 0
+    while s.has_unfinished():
+        step(s)
+        blocked += b.status is RequestStatus.WAITING
+    assert blocked >= 2 and a.finish_reason == b.finish_reason == "length"
+    stats = s.radix.stats()
+    assert stats["query_tokens"] - before["query_tokens"] == len(b.token_ids[:13]) - 1
+    assert stats["hit_tokens"] - before["hit_tokens"] == b.num_cached_tokens == 8

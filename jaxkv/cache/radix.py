@@ -98,6 +98,15 @@ class RadixCache:
             self._stats["hit_tokens"] += matched
         return PrefixMatch(matched, tuple(pages), node)
 
+    def record(self, match: PrefixMatch, num_query_tokens: int) -> None:
+        """Counts a query of ``num_query_tokens`` answered by ``match`` (from a ``peek``) and
+        refreshes its path's recency: for a caller that peeks first and uses the match only
+        if it can, so a query retried every step is counted once."""
+        if isinstance(match.handle, _Node) and match.handle.alive:
+            self._touch(match.handle)
+        self._stats["query_tokens"] += num_query_tokens
+        self._stats["hit_tokens"] += match.num_tokens
+
     def _walk(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, int, list[int]]:
         """(deepest matched node, tokens matched, page per page index)."""
         s, pos, pages = self.page_size, 0, []
@@ -202,11 +211,13 @@ class RadixCache:
         """Drops least-recently-used unlocked leaves (or just their tails) until at least
         `num_pages` pages have returned to the free list, or nothing is evictable.
 
-        A dropped page returns to the free list only if no running request still holds it.
-        Returns the number of pages that became free.
+        Only pages that dropping frees are dropped: a leaf (or the part of it) whose pages a
+        running sequence still holds stays cached, since evicting it would free nothing and
+        lose the entry. Returns the number of pages that became free.
         """
         free_before = self.allocator.num_free
-        heap = [(n.last_access, n.id, n) for n in self._leaves.values() if n.lock == 0]
+        heap = [(n.last_access, n.id, n) for n in self._leaves.values()
+                if n.lock == 0 and self._frees(n, len(n.pages) - 1)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
@@ -215,7 +226,7 @@ class RadixCache:
             self._evict_leaf(leaf, num_pages - freed)
             freed = self.allocator.num_free - free_before
             if (not leaf.alive and parent.parent is not None and not parent.children
-                    and parent.lock == 0):
+                    and parent.lock == 0 and self._frees(parent, len(parent.pages) - 1)):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._stats["evicted_pages"] += freed
         # Drop namespaces left empty, so per-request salts do not accumulate roots.
@@ -234,15 +245,17 @@ class RadixCache:
         s, free_before = self.page_size, self.allocator.num_free
         self.version += 1
         first = leaf.start // s
-        while len(leaf.pages) > 1 and self.allocator.num_free - free_before < need:
+        while (len(leaf.pages) > 1 and self.allocator.num_free - free_before < need
+               and self._frees(leaf, len(leaf.pages) - 1)):
             self.allocator.free([leaf.pages.pop()])
             self._held_pages -= 1
             cut = (first + len(leaf.pages)) * s - leaf.start  # > 0: the first page is kept
             self._stats["evicted_tokens"] += len(leaf.key) - cut
             self._cached_tokens -= len(leaf.key) - cut
             del leaf.key[cut:]
-        if self.allocator.num_free - free_before >= need:
-            return
+        if self.allocator.num_free - free_before >= need or not all(
+                self._frees(leaf, i) for i in range(len(leaf.pages))):
+            return  # enough, or the rest is still held by a running sequence: keep the entry
         self.allocator.free(leaf.pages)
         self._held_pages -= len(leaf.pages)
         self._cached_tokens -= len(leaf.key)
@@ -252,6 +265,18 @@ class RadixCache:
         del self._leaves[leaf.id]
         if leaf.parent.parent is not None and not leaf.parent.children:
             self._leaves[leaf.parent.id] = leaf.parent
+
+    def _frees(self, node: _Node, i: int) -> bool:
+        """Whether dropping the cache's references on page ``node.pages[i]`` frees it: only the
+        cache holds it (this node, and the ancestors that hold the same page for a page index
+        their edges share), so no running sequence still reads it. Evicting an entry that
+        frees nothing would lose it while its pages stay in memory."""
+        page, refs, index = node.pages[i], 1, node.start // self.page_size + i
+        up = node.parent
+        while up is not None and up.parent is not None and up.pages and \
+                (up.end - 1) // self.page_size == index and up.pages[-1] == page:
+            refs, up = refs + 1, up.parent
+        return self.allocator.refcount(page) == refs
 
     def held_pages(self) -> list[int]:
         """Every page the cache holds a reference on, one entry per reference."""

@@ -20,7 +20,6 @@ at each row's length. `Engine.programs` lists every program; `warmup` compiles t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import numbers
 import time
@@ -32,6 +31,7 @@ from jaxkv.attention import check_page_size
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine import warmup as compile_ahead
+from jaxkv.engine.detokenizer import IncrementalDetokenizer
 from jaxkv.engine.request import (
     CompletionOutput,
     EngineStats,
@@ -45,9 +45,9 @@ from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
-from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
+from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, request_key, sample
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import shard, shard_state
 
 _log = logging.getLogger(__name__)
@@ -120,8 +120,8 @@ class Engine:
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"Engine: max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"Engine: seed must be an int >= 0, got {seed!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            raise ValueError(f"Engine: seed must be an int in [0, 2**64), got {seed!r}")
         self.model, self.page_size, self.num_pages = model, page_size, num_pages
         self.max_num_seqs, self.max_model_len, self.seed = max_num_seqs, max_model_len, seed
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -177,8 +177,13 @@ class Engine:
             raise ValueError(f"cache_salt must be None or a string, got {cache_salt!r}")
         self._check_fits(request_id, len(ids), sp)
         index, now = self._num_added, time.time()
+        tok = self.model.tokenizer
         samples = [Request(request_id, ids, sp, index, now, sample_index=j, cache_salt=cache_salt,
-                           key=key) for j, key in enumerate(self._sample_keys(sp, index))]
+                           key=key, detok=None if tok is None else IncrementalDetokenizer(
+                               tok, ids, skip_special_tokens=sp.skip_special_tokens,
+                               stop=sp.stop,
+                               include_stop_str_in_output=sp.include_stop_str_in_output))
+                   for j, key in enumerate(self._sample_keys(sp, index))]
         samples[0].forks = samples[1:]
         self._requests[request_id] = _Entry(prompt, samples)
         self._num_added += 1
@@ -231,13 +236,21 @@ class Engine:
                              f"not a token id in the vocabulary [0, {vocab})")
         if sp.n > self.max_num_seqs:
             raise ValueError(f"SamplingParams.n={sp.n} exceeds max_num_seqs={self.max_num_seqs}")
+        if sp.stop and self.model.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop={sp.stop!r}: stop strings need a model with "
+                             "a tokenizer (use stop_token_ids with token ids)")
+        stops = sp.stop_ids(self.model.config.eos_token_ids)
+        if sp.min_tokens and len(stops) > MAX_BANNED:
+            raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: with "
+                             f"min_tokens > 0, at most {MAX_BANNED} stop ids (EOS included) can "
+                             f"be masked on device; got {len(stops)}")
 
     def _sample_keys(self, sp: SamplingParams, index: int) -> list[np.ndarray]:
         """Sample j's raw key: as `jaxkv.generate` with ``sp.seed``, else from the engine seed
         and the request's index, so outputs never depend on the batch a request lands in."""
         if sp.seed is not None:
             return [request_key(sp.seed, j) for j in range(sp.n)]
-        base = jax.random.fold_in(jax.random.PRNGKey(self.seed), index)
+        base = request_key(self.seed, index)  # the whole 64-bit engine seed counts
         return [np.asarray(jax.random.fold_in(base, j), np.uint32) for j in range(sp.n)]
 
     def abort(self, request_id: str) -> None:
@@ -311,6 +324,8 @@ class Engine:
         for rid in dict.fromkeys(r.request_id for r in progressed):
             entry = self._requests[rid]
             out = self._output(rid, entry)
+            if out is None:  # FINAL_ONLY, still running
+                continue
             if out.finished:
                 del self._requests[rid]
             outputs.append(out)
@@ -323,13 +338,13 @@ class Engine:
         """Dispatches the device part of a step (page poisoning and copies, then a ragged
         step or a decode loop); returns a function that reads its tokens back: for each
         row, a list of tokens per sample (None for a row still prefilling)."""
+        if plan.copies:  # first: a copy's source may have been freed by this very plan
+            self.state = copy_pages_padded(self.state, plan.copies, self.copy_buckets)
         if self.debug_nan_freed_pages:  # poison what is free now: a later read would show NaN
-            freed = self.allocator.drain_freed()
+            freed = self.allocator.drain_freed()  # (a copy's destination is never free)
             if freed:
                 self.state = fill_pages_padded(self.state, freed, float("nan"),
                                                self.copy_buckets[-1])
-        if plan.copies:
-            self.state = copy_pages_padded(self.state, plan.copies, self.copy_buckets)
         if not plan.rows:
             return None
         n = self._loop_steps(plan)
@@ -364,16 +379,18 @@ class Engine:
         keys = np.zeros((b, 2), np.uint32)
         temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
         top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
+        banned = np.full((b, MAX_BANNED), -1, np.int32)
+        eos = self.model.config.eos_token_ids
         for i, seq in seqs:
             sp = seq.sampling_params
             keys[i], step[i] = seq.key, seq.num_output_tokens
             temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-        return keys, SamplingArrays(temperature, top_k, top_p, step)
+            ids = sp.banned_ids(seq.num_output_tokens, eos)
+            banned[i, :len(ids)] = ids
+        return keys, SamplingArrays(temperature, top_k, top_p, step, banned)
 
-    def _stop_ids(self, seq) -> list[int]:
-        sp = seq.sampling_params
-        eos = () if sp.ignore_eos else self.model.config.eos_token_ids
-        return list(dict.fromkeys((*sp.stop_token_ids, *eos)))
+    def _stop_ids(self, seq) -> tuple[int, ...]:
+        return seq.sampling_params.stop_ids(self.model.config.eos_token_ids)
 
     def _loop_steps(self, plan) -> int:
         """How many decode steps to run on device for this plan (1: a plain step): only
@@ -515,16 +532,26 @@ class Engine:
             self.state = self._new_state()
         return outputs
 
-    def _output(self, request_id: str, entry: _Entry) -> RequestOutput:
-        tok = self.model.tokenizer
-        detokenize = functools.partial(tok.decode, skip_special_tokens=True) if tok else None
-        outs = [CompletionOutput(index=s.sample_index, token_ids=s.output_token_ids,
-                                 finish_reason=s.finish_reason, detokenize=detokenize)
-                for s in entry.samples]
+    def _output(self, request_id: str, entry: _Entry) -> RequestOutput | None:
+        """The request's output after a step (None when its output_kind is FINAL_ONLY and it
+        is still running); DELTA outputs hold only what is new since the last one."""
+        sp = entry.samples[0].sampling_params
+        finished = all(s.is_done for s in entry.samples)
+        if sp.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        outs = []
+        for s in entry.samples:
+            tokens, text = s.output_token_ids, s.text(s.is_done)
+            if sp.output_kind is RequestOutputKind.DELTA:
+                (n, c), s.emitted = s.emitted, (len(tokens), len(text))
+                tokens, text = tokens[n:], text[c:]
+            outs.append(CompletionOutput(index=s.sample_index, token_ids=tokens,
+                                         finish_reason=s.finish_reason, text=text,
+                                         stop_reason=s.stop_reason))
         first = entry.samples[0]
         return RequestOutput(
             request_id=request_id, prompt=entry.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=outs, finished=all(s.is_done for s in entry.samples),
+            outputs=outs, finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=request_metrics(entry.samples), error=entry.error)
 

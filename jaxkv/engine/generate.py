@@ -17,7 +17,7 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
-from jaxkv.runtime.sampling import SamplingArrays, request_key
+from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, request_key
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
 
@@ -109,6 +109,9 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
 
     seqs: list[_Seq] = []
     for i, (prompt, sp) in enumerate(zip(ids, params_list, strict=True)):
+        if sp.min_tokens and len(sp.stop_ids(cfg.eos_token_ids)) > MAX_BANNED:
+            raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: with "
+                             f"min_tokens > 0, at most {MAX_BANNED} stop ids (EOS included)")
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
             seqs.append(_Seq(len(seqs), prompt, sp, request_key(seed, j), []))
@@ -140,12 +143,15 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         keys = np.zeros((b, 2), np.uint32)
         temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
         top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
+        banned = np.full((b, MAX_BANNED), -1, np.int32)
         for i, s in finishing.items():
             sp = s.params
             keys[i], step[i] = s.key, len(s.out)
             temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+            ids = sp.banned_ids(len(s.out), eos)
+            banned[i, :len(ids)] = ids
         tokens, _, state = steps.step(model.params, state, batch, keys,
-                                      SamplingArrays(temperature, top_k, top_p, step))
+                                      SamplingArrays(temperature, top_k, top_p, step, banned))
         stats.steps += 1
         if not finishing:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from jaxkv.engine.engine import Engine
 from jaxkv.engine.replicas import ReplicatedEngine
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.model.pretrained import Model, load_default, load_pretrained
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 2**20
@@ -116,6 +117,8 @@ class LLM:
         order = {}
         try:
             for item, sp in zip(items, params, strict=True):
+                if isinstance(sp, SamplingParams):  # whole outputs only, as vLLM's LLM does
+                    sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, sampling_params=sp, **{field: item})
                 order[rid] = len(order)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
+from jaxkv.engine.detokenizer import IncrementalDetokenizer
 from jaxkv.sampling_params import SamplingParams
 
 
@@ -49,6 +49,9 @@ class Request:
     forks: list[Request] = dataclasses.field(default_factory=list)  # samples 1..n-1, unborn
     peeked: tuple | None = None  # ((cache version, tokens), cached prefix) of the last look
     pages_offered: int = 0  # whole prompt pages already offered to the prefix cache
+    skipped: int = 0  # admissions of later arrivals ahead of it while it waited (aging)
+    detok: IncrementalDetokenizer | None = None  # its text, when the model has a tokenizer
+    emitted: tuple[int, int] = (0, 0)  # (tokens, characters) already in delta outputs
 
     def __post_init__(self):
         if not self.token_ids:
@@ -78,30 +81,45 @@ class Request:
     def append_token(self, token: int, eos_token_ids: Collection[int]) -> str | None:
         """Appends a sampled token; returns the finish reason if it ends the sequence.
 
-        Stop tokens (EOS unless ignore_eos, and stop_token_ids) are kept in the output and
-        count only once min_tokens have been generated, as in `jaxkv.generate`.
+        Stop tokens (EOS unless ignore_eos, and stop_token_ids) are kept in the output; they
+        are masked at sampling until min_tokens have been generated, as in `jaxkv.generate`.
+        A stop string in the text (checked once min_tokens are out) ends it with "stop", even
+        at max_tokens.
         """
         self.token_ids.append(token)
-        return self.sampling_params.finish_reason(token, self.num_output_tokens, eos_token_ids)
+        sp = self.sampling_params
+        reason = sp.finish_reason(token, self.num_output_tokens, eos_token_ids)
+        if self.detok is not None and reason != "stop":
+            self.detok.push(token)
+            if self.detok.stop_reason is None and sp.stop and \
+                    self.num_output_tokens > sp.min_tokens and self.detok.find_stop():
+                reason = "stop"
+        return reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        return None if self.detok is None else self.detok.stop_reason
+
+    def text(self, finished: bool) -> str:
+        """The output text; an unfinished one holds back what a stop string may still take."""
+        if self.detok is None:
+            return ""
+        text, hold = self.detok.text, 0 if finished else self.sampling_params.stop_buffer
+        return text[:len(text) - hold] if hold else text
 
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One sample of a request: its generated tokens so far (cumulative) and why it ended.
-
-    ``text`` is decoded from ``token_ids`` when first read: the engine emits an output per
-    request per step, and decoding every one of them would cost time quadratic in the length.
-    """
+    """One sample of a request: its generated tokens and text so far (all of them, or only the
+    new ones for ``RequestOutputKind.DELTA``), why it ended, and the stop string that ended
+    it, if one did. The text is decoded incrementally as tokens arrive (empty without a
+    tokenizer)."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None: running
-    detokenize: Callable[[list[int]], str] | None = dataclasses.field(
-        default=None, repr=False, compare=False)
-
-    @functools.cached_property
-    def text(self) -> str:
-        return self.detokenize(self.token_ids) if self.detokenize else ""
+    text: str = ""
+    stop_reason: str | None = None  # the stop string that ended the sample
 
     @property
     def finished(self) -> bool:

@@ -6,9 +6,13 @@ running sequences (max_num_seqs, one state slot each):
 1. running decodes, oldest first: one token each, with a new page when the token starts one,
    and a private copy of a shared page (copy-on-write) before writing into it;
 2. running prefills, oldest first: the next chunk of each (chunked prefill);
-3. admissions: preempted sequences first, then the longest cached prefix first (arrival order
-   when more than FCFS_QUEUE_LEN wait). A sequence is admitted only if the pages of its next
-   chunk can be allocated after prefix matching; admission stops at the first that cannot.
+3. admissions: preempted sequences first, then sequences passed over MAX_SKIPS times (aging,
+   in arrival order), then the longest cached prefix first (arrival order when more than
+   FCFS_QUEUE_LEN wait). A sequence is admitted only if the pages of its next chunk can be
+   allocated after prefix matching; admission stops at the first that cannot.
+
+When more sequences decode than the budget has tokens, decodes take turns (round robin from
+where the last step stopped), so none waits more than ceil(decodes / budget) steps.
 
 Pages come from the free list, then from evicting the prefix cache (LRU), and for running
 sequences (1-2) from preempting the newest running sequence not scheduled this step. Preemption
@@ -28,6 +32,7 @@ from jaxkv.cache.radix import RadixCache
 from jaxkv.engine.request import Request, RequestStatus
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
+MAX_SKIPS = 16  # later arrivals admitted ahead of a waiting sequence before it goes first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._fork_slots: dict[Request, list[int]] = {}  # reserved for a parent's samples
+        self._decode_turn = 0  # where the next step's decodes start when they exceed the budget
         self.counters = SchedulerCounters()
 
     def add(self, request: Request) -> None:
@@ -100,7 +106,13 @@ class Scheduler:
         """Plans one step; allocates (and may evict or preempt) the pages it needs."""
         out, budget, scheduled = SchedulerOutput(), self.max_num_batched_tokens, set()
         for decode in (True, False):
-            for req in list(self.running):
+            queue = list(self.running)
+            decodes = [r for r in queue if r.num_pending_tokens == 1]
+            if decode and len(decodes) > budget:  # take turns: start after the last served
+                k = self._decode_turn % len(decodes)
+                queue = decodes[k:] + decodes[:k]
+                self._decode_turn = k + budget
+            for req in queue:
                 if budget == 0:
                     break
                 if (req.status is not RequestStatus.RUNNING or req in scheduled
@@ -159,6 +171,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         if budget == 0 or not self.waiting or not self._free_slots:
             return
+        admitted = []
         for req in self._waiting_order():
             if budget == 0:
                 break
@@ -169,14 +182,21 @@ class Scheduler:
                 ok = self._admit(req, budget, out, reuse_partial=False)
             if not ok:
                 break
+            admitted.append(req.arrival_index)
             budget -= len(out.prefill_rows[-1].tokens)
+        if admitted:  # age everyone a later arrival overtook
+            last = max(admitted)
+            for req in self.waiting:
+                if req.arrival_index < last:
+                    req.skipped += 1
 
     def _waiting_order(self) -> list[Request]:
         if self.radix is None or len(self.waiting) == 1 or len(self.waiting) > FCFS_QUEUE_LEN:
             return list(self.waiting)
         hit = {r: self._peek_hit(r) for r in self.waiting}
-        return sorted(self.waiting,
-                      key=lambda r: (r.num_preemptions == 0, -hit[r], r.arrival_index))
+        return sorted(self.waiting, key=lambda r: (
+            r.num_preemptions == 0, r.skipped < MAX_SKIPS,
+            r.arrival_index if r.skipped >= MAX_SKIPS else -hit[r], r.arrival_index))
 
     def _peek_hit(self, req: Request) -> int:
         """Cached prefix length of a waiting request (a look: no LRU refresh, no hit count),
@@ -194,7 +214,9 @@ class Scheduler:
         s, tokens = self.page_size, req.token_ids
         match, cached = None, 0
         if self.radix is not None:  # at most len - 1: the last token must run for its logits
-            match = self.radix.match_prefix(tokens[:-1], req.cache_salt)
+            # A peek: counted (and its recency refreshed) only if the request is admitted, so
+            # an admission retried every step under memory pressure counts once.
+            match = self.radix.match_prefix(tokens[:-1], req.cache_salt, peek=True)
             cached = match.num_tokens if reuse_partial else match.num_tokens // s * s
         full, locked = cached // s, reuse_partial and cached > 0
         shared = list(match.pages[:full]) if match else []
@@ -225,6 +247,8 @@ class Scheduler:
             self._fork_slots[req] = [self._free_slots.pop() for _ in req.forks]
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
+        if match is not None:
+            self.radix.record(match, len(tokens) - 1)
         self.counters.cached_prompt_tokens += cached
         self.waiting.remove(req)
         self.running.append(req)

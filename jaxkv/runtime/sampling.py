@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 
 TOP_K_CAP = 256  # candidates for top-k / top-p thresholds
+MAX_BANNED = 16  # token ids a row can ban at one step (its stop ids before min_tokens)
 CDF_BLOCK = 512  # vocabulary entries per block of the two-pass inverse CDF
 _BISECT_STEPS = 40
 
@@ -33,26 +34,46 @@ class SamplingArrays:
     top_k: jax.Array  # i32[B]  <= 0 means disabled
     top_p: jax.Array  # f32[B]  1 means disabled
     step: jax.Array  # i32[B]  tokens generated so far by the row's request
+    banned: jax.Array  # i32[B, MAX_BANNED]  ids that may not be sampled now (-1: none)
 
     @classmethod
-    def build(cls, temperature, top_k, top_p, step, rows: int) -> SamplingArrays:
-        """Host builder: pads lists to `rows` entries (padding rows are greedy)."""
+    def build(cls, temperature, top_k, top_p, step, rows: int, banned=()) -> SamplingArrays:
+        """Host builder: pads lists to `rows` entries (padding rows are greedy); ``banned[i]``
+        lists row i's banned ids."""
         def pad(values, dtype, fill):
             out = np.full(rows, fill, dtype)
             out[:len(values)] = values
             return out
 
+        ban = np.full((rows, MAX_BANNED), -1, np.int32)
+        for i, ids in enumerate(banned):
+            ban[i, :len(ids)] = ids
         return cls(pad(temperature, np.float32, 0.0), pad(top_k, np.int32, 0),
-                   pad(top_p, np.float32, 1.0), pad(step, np.int32, 0))
+                   pad(top_p, np.float32, 1.0), pad(step, np.int32, 0), ban)
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingArrays:
         return cls.build([], [], [], [], rows)
 
 
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed (vLLM's seeding) accepts
+
+
 def request_key(seed: int, sample_index: int = 0) -> np.ndarray:
-    """The raw u32[2] base key of sample `sample_index` of a request seeded with `seed`."""
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), sample_index)
+    """The raw u32[2] base key of sample `sample_index` of a request seeded with `seed`.
+
+    The whole 64-bit seed counts: its low word seeds the key and a non-zero high word is folded
+    in, so ``2**32 + 5`` and ``5`` differ; a negative seed is taken modulo 2**64, as torch does.
+    Seeds below 2**32 give the same keys as ``jax.random.PRNGKey(seed)``."""
+    lo_, hi_ = SEED_RANGE
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or \
+            not lo_ <= seed < hi_:
+        raise ValueError(f"seed={seed!r}: must be an int in [-2**63, 2**64)")
+    seed = int(seed) % 2**64
+    key = jax.random.PRNGKey(seed & 0xFFFFFFFF)
+    if seed >> 32:
+        key = jax.random.fold_in(key, seed >> 32)
+    key = jax.random.fold_in(key, sample_index)
     return np.asarray(jax.random.key_data(key), np.uint32)
 
 
@@ -119,8 +140,15 @@ def _threshold(x, top_k, top_p):
 
 
 def sample_tokens(logits, keys, sampling: SamplingArrays):
-    """i32[B] next tokens from f32[B, V] logits; ``keys`` are raw u32[B, 2] PRNG keys."""
+    """i32[B] next tokens from f32[B, V] logits; ``keys`` are raw u32[B, 2] PRNG keys.
+
+    Banned ids (a row's stop tokens until its ``min_tokens`` are out, as vLLM masks them) get
+    -inf logits first, for greedy and sampled rows alike."""
     hot = sampling.temperature > 0
+    b, v = logits.shape
+    banned = sampling.banned
+    logits = logits.at[jnp.arange(b)[:, None], jnp.where(banned >= 0, banned, v)].set(
+        -jnp.inf, mode="drop")
 
     def greedy():
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -30,10 +30,10 @@ from jaxkv.attention import check_attention_impl, paged_attention
 from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, write_kv
 from jaxkv.runtime.batch import StepBatch
-from jaxkv.runtime.sampling import SamplingArrays, sample_tokens
+from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens
 from jaxkv.sharding import kv_sharding, sharded_attention
 
-MAX_STOP_IDS = 8  # stop ids (EOS included) a row can check on device
+MAX_STOP_IDS = 8  # stop ids (EOS included) a row can check on device (<= MAX_BANNED)
 
 
 @struct.dataclass
@@ -117,7 +117,12 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
     s, p = state.page_size, state.num_pages
     rows = jnp.arange(r)
     cu = jnp.arange(r + 1, dtype=jnp.int32)
-    sampling = lambda step: SamplingArrays(loop.temperature, loop.top_k, loop.top_p, step)  # noqa: E731
+    pad = jnp.full((r, MAX_BANNED - MAX_STOP_IDS), -1, jnp.int32)
+
+    def sampling(generated):  # stop ids are banned until min_tokens are out (vLLM's rule)
+        banned = jnp.where((generated < loop.min_tokens)[:, None], loop.stop_ids, -1)
+        return SamplingArrays(loop.temperature, loop.top_k, loop.top_p, generated,
+                              jnp.concatenate([banned, pad], axis=1))
 
     def body(carry):
         i, tokens, positions, running, finished, generated, out, kv_pages = carry
@@ -130,7 +135,7 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
         out = out.at[i].set(jnp.where(running, new, -1))
         generated = generated + running.astype(jnp.int32)
         stop = jnp.any((new[:, None] == loop.stop_ids) & (loop.stop_ids >= 0), axis=-1)
-        ends = running & ((stop & (generated >= loop.min_tokens))
+        ends = running & ((stop & (generated > loop.min_tokens))
                           | (generated >= loop.max_tokens))
         # A row out of reserved steps pauses (a continuation may go on); one that ended stops.
         running = running & ~ends & (i + 1 < loop.limit)
