@@ -10,7 +10,7 @@ Quick use::
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.generate import generate, generate_no_cache, generate_with_stats
 from jaxkv.engine.llm import LLM
-from jaxkv.engine.request import CompletionOutput, EngineStats, RequestOutput
+from jaxkv.engine.request import CompletionOutput, EngineStats, Logprob, RequestOutput
 from jaxkv.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,6 +32,7 @@ __all__ = [
     "Engine",
     "EngineStats",
     "KVStateError",
+    "Logprob",
     "Model",
     "ModelConfig",
     "PagedKVState",

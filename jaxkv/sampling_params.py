@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import math
 
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default cap)
+
 
 class RequestOutputKind(enum.Enum):
     """What each `RequestOutput` of a streaming request holds (vLLM's names)."""
@@ -25,12 +27,18 @@ class SamplingParams:
     sequence and are included in its token ids. As in vLLM, they cannot be sampled (their
     logits are masked) until ``min_tokens`` other tokens have been generated.
 
+    ``logprobs=k`` returns, for every generated token, its log-probability and rank under the
+    model's distribution (fp32 log-softmax of the raw logits, before temperature and top-k/p,
+    as vLLM's default) and the k most likely tokens' (at most MAX_LOGPROBS).
+
     ``stop`` strings (needs a tokenizer) end a sequence once its text contains one, even across
     token boundaries, and only after ``min_tokens``; the text is cut before the stop string
     (``include_stop_str_in_output`` keeps it) while token ids keep the token that completed it.
     Until a request finishes, its text holds back the last ``len(longest stop) - 1``
-    characters, which a stop string could still claim. ``output_kind`` chooses cumulative,
-    delta or final-only outputs for streaming; ``skip_special_tokens`` applies to the text.
+    characters, which a stop string could still claim (nothing with
+    ``include_stop_str_in_output``: a cut then never reaches text already shown).
+    ``output_kind`` chooses cumulative, delta or final-only outputs for streaming;
+    ``skip_special_tokens`` applies to the text.
     """
 
     n: int = 1
@@ -42,10 +50,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    stop: tuple[str, ...] = ()  # a str or a sequence of them
+    stop: tuple[str, ...] = ()  # a str, or a list or tuple of them
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logprobs: int | None = None  # top-k logprobs per token (0: only the sampled token's)
 
     def __post_init__(self):
         def fail(field, value, why):
@@ -82,13 +91,23 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", self.ignore_eos, "must be a bool")
         object.__setattr__(self, "stop_token_ids", stop)
-        words = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if self.stop is None:
+            words = ()
+        elif isinstance(self.stop, str):
+            words = (self.stop,)
+        elif isinstance(self.stop, (list, tuple)):
+            words = tuple(self.stop)
+        else:
+            words = (None,)  # neither a string nor a list of them
         if any(not isinstance(w, str) or not w for w in words):
             fail("stop", self.stop, "must be a non-empty string or a sequence of them")
         object.__setattr__(self, "stop", words)
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, getattr(self, name), "must be a bool")
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", self.logprobs, f"must be None or an int in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", self.output_kind, "must be a RequestOutputKind")
 

@@ -27,6 +27,7 @@ _MASKED = -1e30  # finite, so a fully masked row gives zeros, never NaN
 BLOCK_Q = 32  # query tokens per block of the ragged reference
 BLOCK_KV = 256  # key positions per chunk of the ragged reference
 DECODE_BLOCK_KV = 128  # key positions per chunk of the decode reference
+SEGMENT_ROWS = 4  # a query block spanning up to this many rows goes row by row
 
 
 def ragged_paged_attention_reference(
@@ -50,10 +51,11 @@ def ragged_paged_attention_reference(
     Its work follows the real batch, not its padded shapes: queries go in blocks of
     ``block_q`` tokens, and only blocks holding real tokens run (a loop with a traced trip
     count); each block reads keys in chunks of ``block_kv`` positions, only up to the longest
-    of its rows, with an online softmax (flash attention). A block whose tokens all belong to
-    one row (the inside of a prefill chunk) gathers that row's pages once for all its tokens;
-    a block spanning rows (decode tokens, chunk edges) gathers each token's pages. So neither
-    the page-table width W nor the longest row is a cost, and neither needs to be a shape.
+    of its rows, with an online softmax (flash attention). A block whose tokens belong to at
+    most SEGMENT_ROWS rows (the inside of a prefill chunk, or the edges between packed
+    chunks) goes row by row, gathering each row's pages once for all its tokens; a block of
+    more rows (decode tokens) gathers each token's pages. So neither the page-table width W
+    nor the longest row is a cost, and neither needs to be a shape.
     ``max_q_len`` is accepted for the kernels' signature and unused. With ``layer``,
     ``kv_pages`` is the whole pool [L, K, P, S, 2D] and pages are gathered from that layer
     directly (slicing the layer out first would copy it).
@@ -89,59 +91,78 @@ def ragged_paged_attention_reference(
     q_b = jnp.pad(q, ((0, nb * bq - t), (0, 0), (0, 0))).reshape(nb, bq, k, g, d)
     q_b = q_b.astype(jnp.float32)
 
+    big = jnp.iinfo(jnp.int32).max
+
     def block(i, out):
         qb = q_b[i]
         rows, valid = row_t.reshape(nb, bq)[i], valid_t.reshape(nb, bq)[i]
         hi, lo, ln = hi_t.reshape(nb, bq)[i], lo_t.reshape(nb, bq)[i], len_t.reshape(nb, bq)[i]
-        uniform = jnp.all((rows == rows[0]) | ~valid)
-        first = jnp.min(jnp.where(valid, lo, jnp.iinfo(jnp.int32).max)) // lc
-        last = -(-jnp.max(hi) // lc)
+        # Valid tokens are contiguous and sorted by row: number the rows they belong to.
+        starts_row = valid & jnp.concatenate([jnp.ones(1, bool),
+                                              (rows[1:] != rows[:-1]) | ~valid[:-1]])
+        seg = jnp.cumsum(starts_row) - 1  # the segment (row) of each token
+        n_seg = jnp.sum(starts_row)
 
-        def chunk(c, carry):
+        def update(carry, x, vv, mask, per_tok):
+            """Online-softmax step over one key chunk: logits x [bq, K, G, lc]; values [bq, K,
+            lc, D] per token, or [K, lc, D] shared by the block's tokens."""
             m, l_sum, acc = carry  # [bq, K, G], [bq, K, G], [bq, K, G, D]
-            cols = c * pc + jnp.arange(pc)
-            kpos = c * lc + jnp.arange(lc)
-            mask = (kpos[None] < hi[:, None]) & (kpos[None] >= lo[:, None])  # [bq, lc]
+            if soft_cap is not None:
+                x = soft_cap * jnp.tanh(x / soft_cap)
+            x = jnp.where(mask[:, None, None], x, _MASKED)
+            m_new = jnp.maximum(m, x.max(axis=-1))
+            p = jnp.where(mask[:, None, None], jnp.exp(x - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            pv = (jnp.einsum("tkgl,tkld->tkgd", p, vv) if per_tok
+                  else jnp.einsum("tkgl,kld->tkgd", p, vv))
+            return m_new, l_sum * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
-            def scores(kv, per_token):
-                kk, vv = kv[..., :d].astype(jnp.float32), kv[..., d:].astype(jnp.float32)
-                if per_token:  # kv [bq, K, lc, 2D]
-                    vv = jnp.where((kpos[None] < ln[:, None])[:, None, :, None], vv, 0)
-                    x = jnp.einsum("tkgd,tkld->tkgl", qb, kk)
-                else:  # kv [K, lc, 2D], one row
-                    vv = jnp.where((kpos < jnp.max(ln))[None, :, None], vv, 0)
-                    x = jnp.einsum("tkgd,kld->tkgl", qb, kk)
-                return x * sm_scale, vv
+        def by_rows(carry):
+            """Row by row (a prefill chunk, or a few rows' edges): each row's pages are
+            gathered once for all of its tokens in the block; other tokens are masked."""
+            def segment(j, carry):
+                mine = valid & (seg == j)
+                r = rows[jnp.argmax(mine)]
+                first = jnp.min(jnp.where(mine, lo, big)) // lc
+                last = -(-jnp.max(jnp.where(mine, hi, 0)) // lc)
 
-            def one_row():
-                pages = jax.lax.dynamic_slice_in_dim(table[rows[0]], c * pc, pc)
-                kv = kv_pages[layer, heads[:, None], pages[None]]  # [K, pc, S, 2D]
-                return scores(kv.reshape(k, lc, d2), False)
+                def chunk(c, carry):
+                    kpos = c * lc + jnp.arange(lc)
+                    mask = (kpos[None] < hi[:, None]) & (kpos[None] >= lo[:, None]) \
+                        & mine[:, None]
+                    pages = jax.lax.dynamic_slice_in_dim(table[r], c * pc, pc)
+                    kv = kv_pages[layer, heads[:, None], pages[None]].reshape(k, lc, d2)
+                    kk, vv = kv[..., :d].astype(jnp.float32), kv[..., d:].astype(jnp.float32)
+                    vv = jnp.where((kpos < kv_lens[r])[None, :, None], vv, 0)  # stale: NaN
+                    x = jnp.einsum("tkgd,kld->tkgl", qb, kk) * sm_scale
+                    return update(carry, x, vv, mask, False)
 
-            def per_token():
-                pages = table[rows][:, cols]  # [bq, pc]
+                return jax.lax.fori_loop(first, jnp.maximum(last, first), chunk, carry)
+
+            return jax.lax.fori_loop(0, n_seg, segment, carry)
+
+        def by_tokens(carry):
+            """Token by token (a block of many decode rows): each token gathers its own
+            row's pages."""
+            first = jnp.min(jnp.where(valid, lo, big)) // lc
+            last = -(-jnp.max(hi) // lc)
+
+            def chunk(c, carry):
+                kpos = c * lc + jnp.arange(lc)
+                mask = (kpos[None] < hi[:, None]) & (kpos[None] >= lo[:, None])  # [bq, lc]
+                pages = table[rows][:, c * pc + jnp.arange(pc)]  # [bq, pc]
                 kv = kv_pages[layer, heads[:, None, None], pages[None]]  # [K, bq, pc, S, 2D]
-                return scores(kv.reshape(k, bq, lc, d2).transpose(1, 0, 2, 3), True)
+                kv = kv.reshape(k, bq, lc, d2).transpose(1, 0, 2, 3)
+                kk, vv = kv[..., :d].astype(jnp.float32), kv[..., d:].astype(jnp.float32)
+                vv = jnp.where((kpos[None] < ln[:, None])[:, None, :, None], vv, 0)
+                x = jnp.einsum("tkgd,tkld->tkgl", qb, kk) * sm_scale
+                return update(carry, x, vv, mask, True)
 
-            # Both branches return logits [bq, K, G, lc]; values differ in rank, so each
-            # branch finishes its own update.
-            def update(x, vv, per_tok):
-                if soft_cap is not None:
-                    x = soft_cap * jnp.tanh(x / soft_cap)
-                x = jnp.where(mask[:, None, None], x, _MASKED)
-                m_new = jnp.maximum(m, x.max(axis=-1))
-                p = jnp.where(mask[:, None, None], jnp.exp(x - m_new[..., None]), 0.0)
-                alpha = jnp.exp(m - m_new)
-                pv = (jnp.einsum("tkgl,tkld->tkgd", p, vv) if per_tok
-                      else jnp.einsum("tkgl,kld->tkgd", p, vv))
-                return m_new, l_sum * alpha + p.sum(-1), acc * alpha[..., None] + pv
-
-            return jax.lax.cond(uniform, lambda: update(*one_row(), False),
-                                lambda: update(*per_token(), True))
+            return jax.lax.fori_loop(first, jnp.maximum(last, first), chunk, carry)
 
         init = (jnp.full((bq, k, g), _MASKED, jnp.float32), jnp.zeros((bq, k, g), jnp.float32),
                 jnp.zeros((bq, k, g, d), jnp.float32))
-        _, l_sum, acc = jax.lax.fori_loop(first, jnp.maximum(last, first), chunk, init)
+        _, l_sum, acc = jax.lax.cond(n_seg <= SEGMENT_ROWS, by_rows, by_tokens, init)
         res = acc / jnp.maximum(l_sum, 1e-30)[..., None]
         res = jnp.where(valid[:, None, None, None], res, 0.0)
         return out.at[i].set(res.reshape(bq, h, d))

@@ -69,6 +69,7 @@ def test_stop_tokens_and_min_tokens(tiny_model, tiny_config):
     first = base.index(stop)
     out = complete(engine, "stop", prompt, greedy(12, stop_token_ids=(stop,))).outputs[0]
     assert out.token_ids == base[:first + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop  # vLLM: the stop_token_ids id that ended it
     # vLLM's min_tokens: the stop token is masked until min_tokens tokens are out, so the
     # output follows greedy up to where it would have stopped, then takes another token.
     out = complete(engine, "min", prompt,

@@ -60,6 +60,9 @@ def test_stop_tokens_and_max_tokens(tiny_model, prompts, baseline):
     sp_min = jaxkv.SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop_at,),
                                   min_tokens=first + 2, ignore_eos=True)
     got = jaxkv.generate(tiny_model, prompts[:1], sp_min)[0]
+    for field, value in (("stop", "x"), ("logprobs", 2)):  # token ids only: an error, not a no-op
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.*jaxkv.generate"):
+            jaxkv.generate(tiny_model, prompts[:1], jaxkv.SamplingParams(**{field: value}))
     assert got[:first] == baseline[0][:first] and stop_at not in got[:first + 2]
 
 

@@ -277,6 +277,44 @@ def test_min_tokens_masks_stop_tokens_as_hf_min_new_tokens(checkpoints):
     assert out[0].outputs[0].token_ids == want
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_match_torch_log_softmax(checkpoints, temperature):
+    """logprobs=k: every generated token's fp32 logprob and rank, and the top k, against
+    torch.log_softmax of transformers' logits on the same tokens (vLLM's raw logprobs: before
+    temperature), within 1e-4."""
+    hf, _, model = checkpoints("qwen2")
+    prompt, k = PROMPTS[1], 5
+    sp = jaxkv.SamplingParams(temperature=temperature, seed=3, max_tokens=12, ignore_eos=True,
+                              logprobs=k)
+    engine = jaxkv.Engine(model, page_size=PAGE_SIZE, num_pages=16, max_num_seqs=2,
+                          max_model_len=128, max_num_batched_tokens=64)
+    engine.add_request("a", prompt_token_ids=prompt, sampling_params=sp)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    c = outs[-1].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 12
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + c.token_ids])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].numpy()  # predicts each token
+    for i, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+        row = want[i]
+        np.testing.assert_allclose(entry[tok].logprob, row[tok], atol=ATOL, rtol=0)
+        assert entry[tok].rank == 1 + int((row > row[tok] + ATOL).sum())
+        assert len(entry) in (k, k + 1)  # the top k, and the sampled token if not among them
+        top = sorted(entry, key=lambda t: -entry[t].logprob)[:k]
+        np.testing.assert_allclose([entry[t].logprob for t in top], np.sort(row)[::-1][:k],
+                                   atol=ATOL, rtol=0)
+        np.testing.assert_allclose([row[t] for t in top], [entry[t].logprob for t in top],
+                                   atol=ATOL, rtol=0)  # each id with its own logprob
+        if temperature == 0:
+            assert entry[tok].rank == 1
+    assert c.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for e, t in zip(c.logprobs, c.token_ids, strict=True)), abs=1e-9)
+    if temperature:
+        assert any(e[t].rank > 1 for e, t in zip(c.logprobs, c.token_ids, strict=True))
+
+
 # --- loading ----------------------------------------------------------------------------------
 
 

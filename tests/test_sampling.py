@@ -107,7 +107,10 @@ def test_rows_use_their_own_keys_and_steps():
     (dict(temperature=math.nan), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=2**64), "seed"),
-    (dict(seed=1.5), "seed"), (dict(seed=True), "seed"),
+    (dict(seed=1.5), "seed"), (dict(seed=True), "seed"), (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"), (dict(stop=5), "stop"),
+    (dict(stop=[b"x"]), "stop"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):

@@ -1,6 +1,7 @@
 """`Engine.warmup` compiles every program serving can need: afterwards a busy, varied
 workload (chunked prefills, decodes, decode loops, forks, prefix copies, preemption, every
-sampling mode) compiles nothing new, counted by jax's own compile events."""
+sampling mode, min_tokens masks, logprobs) compiles nothing new, counted by jax's own compile
+events."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ def _serve_varied(engine, vocab, seed=5, n_requests=40):
     rng = np.random.default_rng(seed)
     shared = rng.integers(4, vocab, 10).tolist()
     modes = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=0.9, top_k=5),
-             dict(temperature=1.0, top_p=0.8), dict(temperature=0.0, stop_token_ids=[7, 8])]
+             dict(temperature=1.0, top_p=0.8), dict(temperature=0.0, stop_token_ids=[7, 8]),
+             dict(temperature=0.0, min_tokens=1, logprobs=2),
+             dict(temperature=0.8, logprobs=0, min_tokens=1)]
     for i in range(n_requests):
         tail = rng.integers(4, vocab, int(rng.integers(1, 30))).tolist()
         prompt = (shared if i % 2 else []) + tail
@@ -44,3 +47,4 @@ def test_default_config_has_few_programs(tiny_model):
     assert len(kinds) <= 16
     assert kinds.count("step") == 6  # token buckets 16 ... 512
     assert kinds.count("decode_loop") == 4  # row buckets 1, 4, 16, 32
+    assert kinds.count("logprobs") == 1

@@ -98,14 +98,16 @@ class RadixCache:
             self._stats["hit_tokens"] += matched
         return PrefixMatch(matched, tuple(pages), node)
 
-    def record(self, match: PrefixMatch, num_query_tokens: int) -> None:
-        """Counts a query of ``num_query_tokens`` answered by ``match`` (from a ``peek``) and
-        refreshes its path's recency: for a caller that peeks first and uses the match only
-        if it can, so a query retried every step is counted once."""
+    def record(self, match: PrefixMatch, num_query_tokens: int, used: int | None = None
+               ) -> None:
+        """Counts a query of ``num_query_tokens`` answered by ``match`` (from a ``peek``), of
+        which ``used`` tokens were reused (default: all matched), and refreshes its path's
+        recency: for a caller that peeks first and uses the match only if it can, so a query
+        retried every step is counted once."""
         if isinstance(match.handle, _Node) and match.handle.alive:
             self._touch(match.handle)
         self._stats["query_tokens"] += num_query_tokens
-        self._stats["hit_tokens"] += match.num_tokens
+        self._stats["hit_tokens"] += match.num_tokens if used is None else used
 
     def _walk(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, int, list[int]]:
         """(deepest matched node, tokens matched, page per page index)."""
@@ -211,9 +213,10 @@ class RadixCache:
         """Drops least-recently-used unlocked leaves (or just their tails) until at least
         `num_pages` pages have returned to the free list, or nothing is evictable.
 
-        Only pages that dropping frees are dropped: a leaf (or the part of it) whose pages a
-        running sequence still holds stays cached, since evicting it would free nothing and
-        lose the entry. Returns the number of pages that became free.
+        A leaf (or the part of it) whose pages a running sequence still holds stays cached:
+        evicting it would free nothing and lose the entry. (A leaf whose only page its parent
+        also holds is dropped, freeing nothing yet: its parent then becomes evictable.)
+        Returns the number of pages that became free.
         """
         free_before = self.allocator.num_free
         heap = [(n.last_access, n.id, n) for n in self._leaves.values()
@@ -235,8 +238,9 @@ class RadixCache:
         return freed
 
     def clear(self) -> int:
-        """Evicts every unlocked entry (the whole cache when nothing is locked): for when the
-        pages' contents were lost. Returns the number of pages that became free."""
+        """Evicts every unlocked entry no running sequence holds pages of (the whole cache once
+        nothing runs): for when the pages' contents were lost, after the running sequences
+        were sent back to wait. Returns the number of pages that became free."""
         return self.evict(self.allocator.num_pages)
 
     def _evict_leaf(self, leaf: _Node, need: int) -> None:

@@ -30,9 +30,18 @@ class IncrementalDetokenizer:
         self._keep_stop = include_stop_str_in_output
         self.text = ""  # the output so far (cut at a stop string once one is found)
         self._fresh = 0  # where the last push's new text starts
+        self._cleanup_kw = True
         self.stop_reason: str | None = None  # the stop string that ended it
 
     def _decode(self, ids) -> str:
+        # No clean-up of spaces around punctuation (Llama-3's tokenizer config turns it on):
+        # it can shorten a window's text, which would make the windows disagree.
+        if self._cleanup_kw:
+            try:
+                return self._tok.decode(ids, skip_special_tokens=self._skip,
+                                        clean_up_tokenization_spaces=False)
+            except TypeError:  # a tokenizer without the option
+                self._cleanup_kw = False
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token: int) -> None:

@@ -35,6 +35,7 @@ from jaxkv.engine.detokenizer import IncrementalDetokenizer
 from jaxkv.engine.request import (
     CompletionOutput,
     EngineStats,
+    Logprob,
     Request,
     RequestOutput,
     RequestStatus,
@@ -45,9 +46,15 @@ from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
-from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, request_key, sample
+from jaxkv.runtime.sampling import (
+    MAX_BANNED,
+    SamplingArrays,
+    request_key,
+    sample,
+    token_logprobs,
+)
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from jaxkv.sharding import shard, shard_state
 
 _log = logging.getLogger(__name__)
@@ -273,8 +280,9 @@ class Engine:
     # ---- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the (cumulative) output of each request that got tokens
-        or finished in it, and of requests aborted since the last step.
+        """Runs one step; returns the output of each request that got tokens or finished in
+        it (cumulative, only the new part, or only the final one, by its
+        SamplingParams.output_kind), and of requests aborted since the last step.
 
         If the device step (or sampling) raises, the requests in it fail with finish_reason
         "error" and the message in `RequestOutput.error`; every other request keeps going. If
@@ -361,17 +369,41 @@ class Engine:
         tokens, logits, self.state = self.steps.step(self.model.params, self.state, batch, keys,
                                                      arrays)
         self._steps += 1
-        extra = []  # a forking row's samples 1..n-1 draw from the same logits
+        drawn = [tokens]  # [sample][slot]: a forking row's samples 1..n-1 use the same logits
         for k in range(1, max((len(r.samples) for r in rows), default=0)):
             keys, arrays = self._sampling([(r.slot, r.samples[k]) for r in rows
                                            if len(r.samples) > k])
-            extra.append(sample(logits, keys, arrays))
+            drawn.append(sample(logits, keys, arrays))
+        want = [any(s.logprobs is not None for r in rows for s in r.samples[k:k + 1])
+                for k in range(len(drawn))]
+        lps = [token_logprobs(logits, d, MAX_LOGPROBS) if w else None
+               for d, w in zip(drawn, want, strict=True)]
 
         def read():
-            drawn = [np.asarray(tokens)] + [np.asarray(x) for x in extra]  # [sample][slot]
-            return "step", [[int(d[r.slot]) for d in drawn[:len(r.samples)]] if r.samples
+            got = [np.asarray(d) for d in drawn]
+            for k, lp in enumerate(lps):
+                if lp is not None:
+                    self._record_logprobs(rows, k, got[k], [np.asarray(x) for x in lp])
+            return "step", [[int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
                             else None for r in rows]
         return read
+
+    def _record_logprobs(self, rows, k: int, tokens, lp) -> None:
+        """Appends sample k's logprobs of this step to each row's sequence that asked: the
+        sampled token's, and the top SamplingParams.logprobs ones'."""
+        chosen, rank, ids, top = lp
+        tok = self.model.tokenizer
+        name = (lambda i: tok.decode([i])) if tok is not None else (lambda i: None)  # noqa: E731
+        for r in rows:
+            if len(r.samples) <= k or r.samples[k].logprobs is None:
+                continue
+            seq, b = r.samples[k], r.slot
+            n = seq.sampling_params.logprobs
+            entry = {int(i): Logprob(float(v), j + 1, name(int(i)))
+                     for j, (i, v) in enumerate(zip(ids[b, :n], top[b, :n], strict=True))}
+            t = int(tokens[b])
+            entry[t] = Logprob(float(chosen[b]), int(rank[b]), name(t))
+            seq.logprobs.append(entry)
 
     def _sampling(self, seqs, rows: int | None = None):
         """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""
@@ -396,8 +428,9 @@ class Engine:
         """How many decode steps to run on device for this plan (1: a plain step): only
         decodes, no request waiting, and every row's stop ids checkable on device."""
         if (self.steps.max_decode_steps == 1 or plan.prefill_rows or self.scheduler.waiting
-                or any(len(r.samples) != 1 for r in plan.decode_rows)):
-            return 1
+                or any(len(r.samples) != 1 or r.samples[0].logprobs is not None
+                       for r in plan.decode_rows)):
+            return 1  # (logprobs come from the single step's logits)
         left = 0
         for r in plan.decode_rows:
             seq = r.samples[0]
@@ -484,7 +517,8 @@ class Engine:
 
     def programs(self) -> list[tuple[str, int]]:
         """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
-        ("copy_pages", N), ("sample", B), and ("fill_pages", N) with debug_nan_freed_pages."""
+        ("copy_pages", N), ("sample", B), ("logprobs", B), and ("fill_pages", N) with
+        debug_nan_freed_pages."""
         return compile_ahead.engine_programs(self)
 
     def warmup(self) -> int:
@@ -545,9 +579,15 @@ class Engine:
             if sp.output_kind is RequestOutputKind.DELTA:
                 (n, c), s.emitted = s.emitted, (len(tokens), len(text))
                 tokens, text = tokens[n:], text[c:]
+            lps = cum = None
+            if s.logprobs is not None:
+                every = s.logprobs[:s.num_output_tokens]
+                cum = sum(e[t].logprob for e, t in zip(every, s.output_token_ids, strict=False))
+                lps = every[len(every) - len(tokens):] if tokens else []
             outs.append(CompletionOutput(index=s.sample_index, token_ids=tokens,
                                          finish_reason=s.finish_reason, text=text,
-                                         stop_reason=s.stop_reason))
+                                         stop_reason=s.stop_reason, logprobs=lps,
+                                         cumulative_logprob=cum))
         first = entry.samples[0]
         return RequestOutput(
             request_id=request_id, prompt=entry.prompt, prompt_token_ids=first.prompt_token_ids,

@@ -109,6 +109,12 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
 
     seqs: list[_Seq] = []
     for i, (prompt, sp) in enumerate(zip(ids, params_list, strict=True)):
+        if sp.stop:
+            raise ValueError(f"SamplingParams.stop={sp.stop!r}: jaxkv.generate returns token "
+                             "ids only; use jaxkv.LLM or jaxkv.Engine for stop strings")
+        if sp.logprobs is not None:
+            raise ValueError(f"SamplingParams.logprobs={sp.logprobs!r}: jaxkv.generate returns "
+                             "token ids only; use jaxkv.LLM or jaxkv.Engine")
         if sp.min_tokens and len(sp.stop_ids(cfg.eos_token_ids)) > MAX_BANNED:
             raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: with "
                              f"min_tokens > 0, at most {MAX_BANNED} stop ids (EOS included)")

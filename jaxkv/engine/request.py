@@ -49,13 +49,16 @@ class Request:
     forks: list[Request] = dataclasses.field(default_factory=list)  # samples 1..n-1, unborn
     peeked: tuple | None = None  # ((cache version, tokens), cached prefix) of the last look
     pages_offered: int = 0  # whole prompt pages already offered to the prefix cache
-    skipped: int = 0  # admissions of later arrivals ahead of it while it waited (aging)
+    skipped: int = 0  # steps that admitted a later arrival ahead of it while it waited (aging)
     detok: IncrementalDetokenizer | None = None  # its text, when the model has a tokenizer
+    logprobs: list[dict[int, Logprob]] | None = None  # per output token, with logprobs=k
     emitted: tuple[int, int] = (0, 0)  # (tokens, characters) already in delta outputs
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,16 +92,23 @@ class Request:
         self.token_ids.append(token)
         sp = self.sampling_params
         reason = sp.finish_reason(token, self.num_output_tokens, eos_token_ids)
-        if self.detok is not None and reason != "stop":
-            self.detok.push(token)
-            if self.detok.stop_reason is None and sp.stop and \
-                    self.num_output_tokens > sp.min_tokens and self.detok.find_stop():
+        if self.detok is not None and (reason != "stop" or sp.include_stop_str_in_output):
+            self.detok.push(token)  # a stop token's text only with include_stop_str_in_output
+            if reason != "stop" and sp.stop and self.num_output_tokens > sp.min_tokens and \
+                    self.detok.find_stop():
                 reason = "stop"
         return reason
 
     @property
-    def stop_reason(self) -> str | None:
-        return None if self.detok is None else self.detok.stop_reason
+    def stop_reason(self) -> str | int | None:
+        """What stopped it (vLLM's meaning): the stop string, or the stop_token_ids id
+        (None for EOS, a length limit, or a running sequence)."""
+        if self.detok is not None and self.detok.stop_reason is not None:
+            return self.detok.stop_reason
+        if self.finish_reason == "stop" and self.num_output_tokens and \
+                self.token_ids[-1] in self.sampling_params.stop_token_ids:
+            return self.token_ids[-1]
+        return None
 
     def text(self, finished: bool) -> str:
         """The output text; an unfinished one holds back what a stop string may still take."""
@@ -106,6 +116,15 @@ class Request:
             return ""
         text, hold = self.detok.text, 0 if finished else self.sampling_params.stop_buffer
         return text[:len(text) - hold] if hold else text
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the model and its rank (1 = the most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
 
 
 @dataclasses.dataclass
@@ -119,7 +138,11 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None: running
     text: str = ""
-    stop_reason: str | None = None  # the stop string that ended the sample
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids id that ended it
+    # With SamplingParams.logprobs=k: per token, {id: Logprob} for the sampled token and the
+    # k most likely ones (vLLM's shape); the sum of the sampled tokens' logprobs.
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

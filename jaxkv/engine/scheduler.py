@@ -12,7 +12,9 @@ running sequences (max_num_seqs, one state slot each):
    allocated after prefix matching; admission stops at the first that cannot.
 
 When more sequences decode than the budget has tokens, decodes take turns (round robin from
-where the last step stopped), so none waits more than ceil(decodes / budget) steps.
+where the last step stopped), so in steady state none waits more than ceil(decodes / budget)
+steps. A preemption victim is still the newest sequence not yet scheduled in the step, which
+with turns may be older than one already scheduled.
 
 Pages come from the free list, then from evicting the prefix cache (LRU), and for running
 sequences (1-2) from preempting the newest running sequence not scheduled this step. Preemption
@@ -32,7 +34,7 @@ from jaxkv.cache.radix import RadixCache
 from jaxkv.engine.request import Request, RequestStatus
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
-MAX_SKIPS = 16  # later arrivals admitted ahead of a waiting sequence before it goes first
+MAX_SKIPS = 16  # steps that admit a later arrival ahead of a waiting sequence, before it goes first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +250,7 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
         if match is not None:
-            self.radix.record(match, len(tokens) - 1)
+            self.radix.record(match, len(tokens) - 1, cached)
         self.counters.cached_prompt_tokens += cached
         self.waiting.remove(req)
         self.running.append(req)

@@ -17,9 +17,9 @@ import numpy as np
 
 from jaxkv.runtime.batch import padding_batch
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
-from jaxkv.runtime.sampling import sample
+from jaxkv.runtime.sampling import sample, token_logprobs
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def engine_programs(engine) -> list[tuple[str, int]]:
@@ -29,6 +29,7 @@ def engine_programs(engine) -> list[tuple[str, int]]:
         progs += [("decode_loop", r) for r in engine.row_buckets]
     progs += [("copy_pages", n) for n in engine.copy_buckets]
     progs.append(("sample", engine.max_num_seqs))
+    progs.append(("logprobs", engine.max_num_seqs))
     if engine.debug_nan_freed_pages:
         progs.append(("fill_pages", engine.copy_buckets[-1]))
     return progs
@@ -81,10 +82,12 @@ def warmup(engine) -> int:
     for kind, size in progs:
         if kind == "step":
             keys, arrays = engine._sampling([])
-            _, logits, engine.state = engine.steps.step(
+            tokens, logits, engine.state = engine.steps.step(
                 engine.model.params, engine.state, padding_batch(size, engine.page_table),
                 keys, arrays)
-            sample(logits, keys, arrays)  # the fork sampler: same shapes for every bucket
+            forked = sample(logits, keys, arrays)  # the fork sampler: one shape for all
+            for drawn in (tokens, forked):  # logprobs of a step's or a fork's tokens
+                token_logprobs(logits, drawn, MAX_LOGPROBS)
         elif kind == "decode_loop":
             idle = idle_decode_loop(engine, size)
             _, after, engine.state = engine.steps.decode_loop(engine.model.params,

@@ -17,6 +17,8 @@ never on which other requests share the batch.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,17 +64,15 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed (vLLM's seedi
 def request_key(seed: int, sample_index: int = 0) -> np.ndarray:
     """The raw u32[2] base key of sample `sample_index` of a request seeded with `seed`.
 
-    The whole 64-bit seed counts: its low word seeds the key and a non-zero high word is folded
-    in, so ``2**32 + 5`` and ``5`` differ; a negative seed is taken modulo 2**64, as torch does.
-    Seeds below 2**32 give the same keys as ``jax.random.PRNGKey(seed)``."""
+    The whole 64-bit seed is the raw key (high word, low word): one key per seed, so
+    ``2**32 + 5`` and ``5`` differ; a negative seed is taken modulo 2**64, as torch does.
+    Seeds below 2**32 give the same keys as ``jax.random.PRNGKey(seed)`` (that is [0, seed])."""
     lo_, hi_ = SEED_RANGE
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or \
             not lo_ <= seed < hi_:
         raise ValueError(f"seed={seed!r}: must be an int in [-2**63, 2**64)")
     seed = int(seed) % 2**64
-    key = jax.random.PRNGKey(seed & 0xFFFFFFFF)
-    if seed >> 32:
-        key = jax.random.fold_in(key, seed >> 32)
+    key = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
     key = jax.random.fold_in(key, sample_index)
     return np.asarray(jax.random.key_data(key), np.uint32)
 
@@ -170,3 +170,16 @@ def sample_tokens(logits, keys, sampling: SamplingArrays):
 
 
 sample = jax.jit(sample_tokens)  # the same, as its own program (fork samples, tests)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def token_logprobs(logits, tokens, k: int):
+    """Log-probabilities of f32[B, V] logits (fp32 log-softmax): the chosen ``tokens``' (f32[B])
+    with their rank (i32[B], 1 = the most likely; ties share the better rank), and the ``k``
+    most likely ids (i32[B, k]) with theirs (f32[B, k])."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logits > chosen[:, None], axis=-1).astype(jnp.int32)
+    top, ids = jax.lax.top_k(logits, k)
+    return chosen - lse, rank, ids.astype(jnp.int32), top - lse[:, None]
