@@ -153,19 +153,28 @@ def _run(trace):
             elif q.status is RequestStatus.FINISHED:
                 assert q.finish_reason == "length"
                 assert q.num_output_tokens == sp.max_tokens
+    return samples, trace
+
+
+def _check_trace(trace):
+    """Runs a trace (its every step checked inside `_run`); every request was added and ended."""
+    samples, trace = _run(trace)
+    fits = [i for i, r in enumerate(trace["requests"]) if r["n"] <= trace["max_seqs"]]
+    assert sorted(samples) == fits
+    assert all(q.is_done for group in samples.values() for q in group)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_every_read_sees_its_own_prefix(trace):
-    _run(trace)
+    _check_trace(trace)
 
 
 @pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_every_read_sees_its_own_prefix_long(trace):
-    _run(trace)
+    _check_trace(trace)
 
 
 def test_the_fake_device_catches_a_wrong_read():

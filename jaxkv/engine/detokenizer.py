@@ -31,6 +31,7 @@ class IncrementalDetokenizer:
         self.text = ""  # the output so far (cut at a stop string once one is found)
         self._fresh = 0  # where the last push's new text starts
         self._cleanup_kw = True
+        self._before: str | None = None  # the decode of the window's emitted part (cached)
         self.stop_reason: str | None = None  # the stop string that ended it
 
     def _decode(self, ids) -> str:
@@ -50,12 +51,14 @@ class IncrementalDetokenizer:
             raise ValueError("push after a stop string ended the sequence")
         self._ids.append(int(token))
         self._fresh = len(self.text)
-        before = self._decode(self._ids[self._prefix:self._read])
+        if self._before is None:  # the window moved: one decode of its emitted part
+            self._before = self._decode(self._ids[self._prefix:self._read])
+        before = self._before
         full = self._decode(self._ids[self._prefix:])
         if len(full) <= len(before) or full.endswith("\ufffd"):
             return  # nothing new, or a character still incomplete: wait for more
         self.text += full[len(before):]
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read, self._before = self._read, len(self._ids), None
 
     def find_stop(self) -> bool:
         """Whether the last push's text completed a stop string (searched in that text and

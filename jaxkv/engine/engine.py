@@ -49,6 +49,7 @@ from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.sampling import (
     MAX_BANNED,
     SamplingArrays,
+    check_bannable,
     request_key,
     sample,
     token_logprobs,
@@ -246,11 +247,7 @@ class Engine:
         if sp.stop and self.model.tokenizer is None:
             raise ValueError(f"SamplingParams.stop={sp.stop!r}: stop strings need a model with "
                              "a tokenizer (use stop_token_ids with token ids)")
-        stops = sp.stop_ids(self.model.config.eos_token_ids)
-        if sp.min_tokens and len(stops) > MAX_BANNED:
-            raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: with "
-                             f"min_tokens > 0, at most {MAX_BANNED} stop ids (EOS included) can "
-                             f"be masked on device; got {len(stops)}")
+        check_bannable(sp, self.model.config.eos_token_ids)
 
     def _sample_keys(self, sp: SamplingParams, index: int) -> list[np.ndarray]:
         """Sample j's raw key: as `jaxkv.generate` with ``sp.seed``, else from the engine seed

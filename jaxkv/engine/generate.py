@@ -17,7 +17,7 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
-from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, request_key
+from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, check_bannable, request_key
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
 
@@ -115,9 +115,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         if sp.logprobs is not None:
             raise ValueError(f"SamplingParams.logprobs={sp.logprobs!r}: jaxkv.generate returns "
                              "token ids only; use jaxkv.LLM or jaxkv.Engine")
-        if sp.min_tokens and len(sp.stop_ids(cfg.eos_token_ids)) > MAX_BANNED:
-            raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: with "
-                             f"min_tokens > 0, at most {MAX_BANNED} stop ids (EOS included)")
+        check_bannable(sp, cfg.eos_token_ids)
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
             seqs.append(_Seq(len(seqs), prompt, sp, request_key(seed, j), []))

@@ -109,11 +109,12 @@ class Scheduler:
         out, budget, scheduled = SchedulerOutput(), self.max_num_batched_tokens, set()
         for decode in (True, False):
             queue = list(self.running)
-            decodes = [r for r in queue if r.num_pending_tokens == 1]
-            if decode and len(decodes) > budget:  # take turns: start after the last served
-                k = self._decode_turn % len(decodes)
-                queue = decodes[k:] + decodes[:k]
-                self._decode_turn = k + budget
+            if decode and len(queue) > budget:
+                decodes = [r for r in queue if r.num_pending_tokens == 1]
+                if len(decodes) > budget:  # take turns: start after the last one served
+                    k = self._decode_turn % len(decodes)
+                    queue = decodes[k:] + decodes[:k]
+                    self._decode_turn = k + budget
             for req in queue:
                 if budget == 0:
                     break

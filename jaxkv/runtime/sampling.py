@@ -61,6 +61,16 @@ class SamplingArrays:
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed (vLLM's seeding) accepts
 
 
+def check_bannable(sp, eos_token_ids) -> None:
+    """Raises ValueError (naming the field) if a request's stop ids cannot all be masked on
+    device until its min_tokens are out: at most MAX_BANNED of them."""
+    stops = sp.stop_ids(eos_token_ids)
+    if sp.min_tokens and len(stops) > MAX_BANNED:
+        raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: with "
+                         f"min_tokens > 0, at most {MAX_BANNED} stop ids (EOS included) can "
+                         f"be masked on device; got {len(stops)}")
+
+
 def request_key(seed: int, sample_index: int = 0) -> np.ndarray:
     """The raw u32[2] base key of sample `sample_index` of a request seeded with `seed`.
 
