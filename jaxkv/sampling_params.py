@@ -30,6 +30,9 @@ class SamplingParams:
     ``logprobs=k`` returns, for every generated token, its log-probability and rank under the
     model's distribution (fp32 log-softmax of the raw logits, before temperature and top-k/p,
     as vLLM's default) and the k most likely tokens' (at most MAX_LOGPROBS).
+    ``prompt_logprobs=k`` does the same for every prompt token after the first (None), given
+    the tokens before it. As in vLLM, such a request's prompt is computed whole: it takes no
+    prefix-cache hit (its pages are cached afterwards for others).
 
     ``stop`` strings (needs a tokenizer) end a sequence once its text contains one, even across
     token boundaries, and only after ``min_tokens``; the text is cut before the stop string
@@ -39,6 +42,14 @@ class SamplingParams:
     ``include_stop_str_in_output``: a cut then never reaches text already shown).
     ``output_kind`` chooses cumulative, delta or final-only outputs for streaming;
     ``skip_special_tokens`` applies to the text.
+
+    Logits processors, in vLLM's order and meaning (`jaxkv.runtime.processors`):
+    ``allowed_token_ids`` restricts sampling to those ids; ``bad_words`` (needs a tokenizer)
+    bans a word's last token whenever the output ends with its other tokens; ``logit_bias``
+    ({token id: bias}) is added to the logits; ``repetition_penalty`` divides a positive
+    logit (multiplies a negative one) of every token in the prompt or the output;
+    ``frequency_penalty`` x count and ``presence_penalty`` (once) are subtracted for every
+    token in the output. A request using any of them decodes one step per host round trip.
     """
 
     n: int = 1
@@ -55,6 +66,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logprobs: int | None = None  # top-k logprobs per token (0: only the sampled token's)
+    prompt_logprobs: int | None = None  # per prompt token (its first has none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # a list or tuple of ids
+    bad_words: tuple[str, ...] = ()  # a list or tuple of strings
 
     def __post_init__(self):
         def fail(field, value, why):
@@ -108,8 +126,69 @@ class SamplingParams:
         if self.logprobs is not None and (not is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", self.logprobs, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+                not is_int(self.prompt_logprobs)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            fail("prompt_logprobs", self.prompt_logprobs,
+                 f"must be None or an int in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", self.output_kind, "must be a RequestOutputKind")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not -2 <= v <= 2:
+                fail(name, v, "must be a number in [-2, 2]")
+        r = self.repetition_penalty
+        if not is_real(r) or r <= 0:
+            fail("repetition_penalty", r, "must be a finite number > 0 (1 disables it)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", self.logit_bias, "must be a dict {token id: bias}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                tid = int(k) if isinstance(k, str) and k.isdigit() else k  # JSON keys
+                if not is_int(tid) or tid < 0:
+                    fail("logit_bias", self.logit_bias, f"key {k!r} is not a token id")
+                if not is_real(v):
+                    fail("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} must be a "
+                         "finite number")
+                bias[tid] = float(v)
+            object.__setattr__(self, "logit_bias", bias or None)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes, int)) or not hasattr(ids, "__iter__"):
+                fail("allowed_token_ids", ids, "must be a sequence of token ids")
+            ids = tuple(ids)
+            if not ids or any(not is_int(i) or i < 0 for i in ids):
+                fail("allowed_token_ids", self.allowed_token_ids,
+                     "must be a non-empty sequence of non-negative ints")
+            object.__setattr__(self, "allowed_token_ids", ids)
+        words = self.bad_words
+        words = () if words is None else (words,) if isinstance(words, str) else words
+        if not isinstance(words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in words):
+            fail("bad_words", self.bad_words, "must be a sequence of non-empty strings")
+        object.__setattr__(self, "bad_words", tuple(words))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError naming the field if a token id it holds is not in [0, vocab)."""
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            value = getattr(self, name)
+            bad = [t for t in (value or ()) if t >= vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name}={value!r}: {bad[0]} is not a token id "
+                                 f"in the vocabulary [0, {vocab_size})")
+
+    def bad_words_ids(self, tokenizer) -> list[tuple[int, ...]]:
+        """Token sequences of ``bad_words`` (vLLM's rule): each word as encoded alone and, when
+        that is a different first token of the same length, after a space (mid-text)."""
+        out: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return out
 
     def stop_ids(self, eos_token_ids) -> tuple[int, ...]:
         """Every token id that ends this sequence: ``stop_token_ids``, then EOS unless

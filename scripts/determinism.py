@@ -45,8 +45,8 @@ def main(argv=None) -> int:
                 rows += [Row(i + 1, o, 0, list(range(8 + 8 * i, 16 + 8 * i)))
                          for i, o in enumerate(others)]
             batch = build_batch(rows, table, tokens_bucket=max(tokens_bucket, 128 * company))
-            _, logits, state = steps.step(model.params, state, batch, np.zeros((8, 2), np.uint32),
-                                          SamplingArrays.greedy(8))
+            _, logits, _, state = steps.step(model.params, state, batch,
+                                             np.zeros((8, 2), np.uint32), SamplingArrays.greedy(8))
             start += chunk
         return np.asarray(logits[0])
 

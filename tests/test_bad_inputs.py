@@ -149,6 +149,16 @@ BAD = [
         stop_token_ids=[3, 200])), ValueError, r"stop_token_ids=\(3, 200\): 200 is not a token",
         id="stop token outside vocab"),
     pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
+        allowed_token_ids=[5, 97])), ValueError,
+        r"SamplingParams.allowed_token_ids=\(5, 97\): 97 is not a token",
+        id="allowed id outside vocab"),
+    pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
+        logit_bias={500: 1.0})), ValueError, r"SamplingParams.logit_bias=.*500 is not a token",
+        id="biased id outside vocab"),
+    pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
+        bad_words=["x"])), ValueError, r"SamplingParams.bad_words=.*need a model with a tokenizer",
+        id="bad words without a tokenizer"),
+    pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
         min_tokens=2, stop_token_ids=list(range(4, 24)))), ValueError,
         r"SamplingParams.stop_token_ids=.*at most 16 stop ids", id="min_tokens, 20 stop ids"),
     # --- Engine.abort -----------------------------------------------------------------------

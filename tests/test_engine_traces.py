@@ -2,8 +2,9 @@
 prompt and output lengths, and a page pool small enough to force eviction and preemption.
 
 After every step the page invariants hold (no page leaked or double-owned); every request that
-was not aborted finishes; its greedy tokens equal running that request alone; when the engine is
-idle, only the prefix cache holds pages.
+was not aborted finishes; its tokens (greedy, seeded samples with n = 2, or greedy under
+penalties and a logit bias) equal running that request alone; when the engine is idle, only
+the prefix cache holds pages.
 """
 
 import numpy as np
@@ -11,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import jaxkv
 from jaxkv import Engine, SamplingParams
 from jaxkv.engine.scheduler import SchedulerOutput
 from jaxkv.runtime.page_copy import fill_pages
@@ -24,13 +24,29 @@ SHAPE = dict(page_size=4, num_pages=24, max_num_seqs=4, max_model_len=64,
 _ALONE: dict = {}
 
 
-def _alone(model, prompt: tuple, max_tokens: int) -> tuple:
-    """Greedy tokens of one request run by itself (memoized across examples)."""
-    if (prompt, max_tokens) not in _ALONE:
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        _ALONE[prompt, max_tokens] = tuple(jaxkv.generate(model, [list(prompt)], sp,
-                                                          page_size=4)[0])
-    return _ALONE[prompt, max_tokens]
+def _alone(model, prompt: tuple, sp: SamplingParams) -> list:
+    """Tokens of every sample of one request run by itself in an engine of the same shape
+    (memoized across examples): greedy or seeded, they must not depend on the company."""
+    key = (prompt, repr(sp))
+    if key not in _ALONE:
+        engine = Engine(model, **SHAPE)
+        engine.add_request("alone", prompt_token_ids=list(prompt), sampling_params=sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    _ALONE[key] = [c.token_ids for c in out.outputs]
+    return _ALONE[key]
+
+
+def _params(kind: int, max_tokens: int, seed: int) -> SamplingParams:
+    """Greedy; sampled with n = 2 (top-k, top-p); greedy under penalties and a bias."""
+    if kind == 0:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if kind == 1:
+        return SamplingParams(n=2, temperature=0.8, top_k=20, top_p=0.9, seed=seed,
+                              max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                          repetition_penalty=1.5, presence_penalty=0.5, logit_bias={7: 3.0})
 
 
 @st.composite
@@ -44,6 +60,7 @@ def traces(draw):
             rid=f"r{i}", prompt=head + tail, max_tokens=draw(st.integers(1, 10)),
             arrive=draw(st.integers(0, 6)),  # the step at which it is added
             abort=draw(st.one_of(st.none(), st.integers(0, 12))),  # steps after arrival
+            kind=draw(st.integers(0, 2)),  # see _params
         ))
     return requests
 
@@ -51,15 +68,24 @@ def traces(draw):
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_random_traces_keep_invariants_and_outputs(tiny_model, trace):
+    _check_trace(tiny_model, trace)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces())
+def test_random_traces_keep_invariants_and_outputs_long(tiny_model, trace):
+    _check_trace(tiny_model, trace)
+
+
+def _check_trace(tiny_model, trace):
     engine = Engine(tiny_model, **SHAPE)
     finished, aborted, added = {}, set(), {}
     for step in range(400):
         for r in trace:
             if r["arrive"] == step:
                 engine.add_request(r["rid"], prompt_token_ids=r["prompt"],
-                                   sampling_params=SamplingParams(
-                                       temperature=0, max_tokens=r["max_tokens"],
-                                       ignore_eos=True))
+                                   sampling_params=_params(r["kind"], r["max_tokens"], step))
                 added[r["rid"]] = step
             abort_at = None if r["abort"] is None else r["arrive"] + r["abort"]
             if abort_at == step and r["rid"] in added and r["rid"] not in finished:
@@ -81,9 +107,10 @@ def test_random_traces_keep_invariants_and_outputs(tiny_model, trace):
         if r["rid"] in aborted:
             continue
         out = finished[r["rid"]]
-        assert out.outputs[0].finish_reason == "length"
-        want = _alone(tiny_model, tuple(r["prompt"]), r["max_tokens"])
-        assert tuple(out.outputs[0].token_ids) == want, r
+        assert all(c.finish_reason == "length" for c in out.outputs)
+        want = _alone(tiny_model, tuple(r["prompt"]),
+                      _params(r["kind"], r["max_tokens"], r["arrive"]))
+        assert [c.token_ids for c in out.outputs] == want, r
 
 
 def test_trace_strategy_reaches_preemption(tiny_model):

@@ -116,9 +116,9 @@ def paged_prefill_logits(model, prompts, *, split=None, page_size=PAGE_SIZE,
         total = sum(len(r.tokens) for r in rows)
         batch = build_batch(rows, table, tokens_bucket=pow2(max(total, 16)),
                             vocab_size=cfg.vocab_size)
-        _, logits, state = steps.step(model.params, state, batch,
-                                      np.zeros((len(prompts), 2), np.uint32),
-                                      SamplingArrays.greedy(len(prompts)))
+        _, logits, _, state = steps.step(model.params, state, batch,
+                                         np.zeros((len(prompts), 2), np.uint32),
+                                         SamplingArrays.greedy(len(prompts)))
         out.append(np.asarray(logits)[: len(prompts)])
     return out
 
@@ -313,6 +313,46 @@ def test_logprobs_match_torch_log_softmax(checkpoints, temperature):
         sum(e[t].logprob for e, t in zip(c.logprobs, c.token_ids, strict=True)), abs=1e-9)
     if temperature:
         assert any(e[t].rank > 1 for e, t in zip(c.logprobs, c.token_ids, strict=True))
+
+
+def test_prompt_logprobs_match_torch_log_softmax(checkpoints):
+    """prompt_logprobs=k over a prompt prefilled in chunks (64 tokens a step): entry 0 None,
+    then each prompt token's fp32 logprob and rank and the top k given the tokens before it,
+    against torch.log_softmax within 1e-4. As in vLLM, such a prompt takes no prefix-cache hit;
+    a request without prompt_logprobs then hits the pages it left."""
+    hf, _, model = checkpoints("qwen2")
+    prompt, k = PROMPTS[0], 3
+    engine = jaxkv.Engine(model, page_size=PAGE_SIZE, num_pages=64, max_num_seqs=2,
+                          max_model_len=256, max_num_batched_tokens=64)
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k,
+                              output_kind=jaxkv.RequestOutputKind.DELTA)
+    outs = {}
+    for rid in ("a", "b", "c"):  # one after another: b and c find a's prompt cached
+        engine.add_request(rid, prompt_token_ids=prompt, sampling_params=sp if rid != "c"
+                           else jaxkv.SamplingParams(temperature=0, max_tokens=2))
+        while engine.has_unfinished_requests():
+            outs.setdefault(rid, []).extend(o for o in engine.step() if o.request_id == rid)
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    given = [o.prompt_logprobs for o in outs["a"] if o.prompt_logprobs is not None]
+    assert len(given) == 1  # DELTA: once
+    lps = given[0]
+    assert len(lps) == len(prompt) and lps[0] is None
+    for p in range(1, len(prompt)):
+        entry, row, tok = lps[p], want[p - 1], prompt[p]
+        np.testing.assert_allclose(entry[tok].logprob, row[tok], atol=ATOL, rtol=0)
+        # The rank, up to tokens within rounding of this one (vocab 256: many near-ties).
+        sure, maybe = (1 + int((row > row[tok] + d).sum()) for d in (ATOL, -ATOL))
+        assert sure <= entry[tok].rank <= maybe
+        top = sorted(entry, key=lambda t: -entry[t].logprob)[:k]
+        np.testing.assert_allclose([row[t] for t in top], np.sort(row)[::-1][:k], atol=ATOL,
+                                   rtol=0)
+    assert outs["a"][-1].num_cached_tokens == 0 and outs["b"][-1].num_cached_tokens == 0
+    assert outs["c"][-1].num_cached_tokens > 0 and outs["c"][-1].prompt_logprobs is None
+    b = [o.prompt_logprobs for o in outs["b"] if o.prompt_logprobs is not None][0]
+    for p in range(1, len(prompt)):
+        assert b[p][prompt[p]].logprob == pytest.approx(lps[p][prompt[p]].logprob, abs=1e-5)
+    engine.check()
 
 
 # --- loading ----------------------------------------------------------------------------------

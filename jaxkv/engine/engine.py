@@ -46,6 +46,7 @@ from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
+from jaxkv.runtime.processors import build_processors, has_processors, sample_processed
 from jaxkv.runtime.sampling import (
     MAX_BANNED,
     SamplingArrays,
@@ -59,6 +60,7 @@ from jaxkv.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParam
 from jaxkv.sharding import shard, shard_state
 
 _log = logging.getLogger(__name__)
+PROMPT_LOGPROBS_BLOCK = 128  # prompt positions scored per program call
 
 
 @dataclasses.dataclass
@@ -192,6 +194,10 @@ class Engine:
                                stop=sp.stop,
                                include_stop_str_in_output=sp.include_stop_str_in_output))
                    for j, key in enumerate(self._sample_keys(sp, index))]
+        if sp.bad_words:
+            words = sp.bad_words_ids(tok)
+            for s in samples:
+                s.bad_words_ids = words
         samples[0].forks = samples[1:]
         self._requests[request_id] = _Entry(prompt, samples)
         self._num_added += 1
@@ -237,16 +243,14 @@ class Engine:
             raise ValueError(f"request {request_id!r} needs {need} KV pages ({prompt_len} prompt "
                              f"+ {sp.max_tokens} max_tokens tokens at page_size "
                              f"{self.page_size}) but the cache has only {self.num_pages} pages")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in sp.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids={sp.stop_token_ids!r}: {bad[0]} is "
-                             f"not a token id in the vocabulary [0, {vocab})")
+        sp.check_vocab(self.model.config.vocab_size)
         if sp.n > self.max_num_seqs:
             raise ValueError(f"SamplingParams.n={sp.n} exceeds max_num_seqs={self.max_num_seqs}")
-        if sp.stop and self.model.tokenizer is None:
-            raise ValueError(f"SamplingParams.stop={sp.stop!r}: stop strings need a model with "
-                             "a tokenizer (use stop_token_ids with token ids)")
+        for name, what in (("stop", "stop strings"), ("bad_words", "bad words")):
+            if getattr(sp, name) and self.model.tokenizer is None:
+                raise ValueError(f"SamplingParams.{name}={getattr(sp, name)!r}: {what} need a "
+                                 "model with a tokenizer (stop_token_ids, logit_bias and "
+                                 "allowed_token_ids take token ids)")
         check_bannable(sp, self.model.config.eos_token_ids)
 
     def _sample_keys(self, sp: SamplingParams, index: int) -> list[np.ndarray]:
@@ -363,34 +367,88 @@ class Engine:
                                               self.token_buckets),
                             vocab_size=self.model.config.vocab_size)
         keys, arrays = self._sampling([(r.slot, r.samples[0]) for r in rows if r.samples])
-        tokens, logits, self.state = self.steps.step(self.model.params, self.state, batch, keys,
-                                                     arrays)
+        tokens, logits, hidden, self.state = self.steps.step(
+            self.model.params, self.state, batch, keys, arrays)
         self._steps += 1
         drawn = [tokens]  # [sample][slot]: a forking row's samples 1..n-1 use the same logits
-        for k in range(1, max((len(r.samples) for r in rows), default=0)):
-            keys, arrays = self._sampling([(r.slot, r.samples[k]) for r in rows
-                                           if len(r.samples) > k])
-            drawn.append(sample(logits, keys, arrays))
+        for k in range(max((len(r.samples) for r in rows), default=0)):
+            seqs = [(r.slot, r.samples[k]) for r in rows if len(r.samples) > k]
+            if k:
+                keys, arrays = self._sampling(seqs)
+            edits = [(i, q.token_ids, q.num_prompt_tokens, q.sampling_params, q.bad_words_ids)
+                     for i, q in seqs if has_processors(q.sampling_params)]
+            if edits:  # the same draws, from processed logits
+                procs = build_processors(edits, self.max_num_seqs)
+                drawn[k:] = [sample_processed(logits, keys, arrays, procs)]
+            elif k:
+                drawn.append(sample(logits, keys, arrays))
         want = [any(s.logprobs is not None for r in rows for s in r.samples[k:k + 1])
                 for k in range(len(drawn))]
         lps = [token_logprobs(logits, d, MAX_LOGPROBS) if w else None
                for d, w in zip(drawn, want, strict=True)]
+        prompt_lps = self._prompt_logprobs(rows, batch.cu_q_lens, hidden)
 
         def read():
             got = [np.asarray(d) for d in drawn]
             for k, lp in enumerate(lps):
                 if lp is not None:
                     self._record_logprobs(rows, k, got[k], [np.asarray(x) for x in lp])
+            if prompt_lps is not None:
+                self._record_prompt_logprobs(*prompt_lps)
             return "step", [[int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
                             else None for r in rows]
         return read
+
+    def _prompt_logprobs(self, rows, cu_q_lens, hidden):
+        """Dispatches the prompt logprobs this step's chunks give (each chunk position p
+        scores prompt token p + 1): ((sequence, target position) per entry, device outputs
+        per block), or None when no row asks."""
+        idx, targets, where = [], [], []
+        for r in rows:
+            seq = r.request
+            if not seq.needs_prompt_logits:
+                continue
+            at, have = int(cu_q_lens[r.slot]), len(seq.prompt_logprobs)
+            for j in range(len(r.tokens)):
+                p = r.start + j + 1
+                if have <= p < seq.num_prompt_tokens:
+                    idx.append(at + j)
+                    targets.append(seq.prompt_token_ids[p])
+                    where.append((seq, p))
+        if not idx:
+            return None
+        blocks = []
+        for i in range(0, len(idx), PROMPT_LOGPROBS_BLOCK):  # one program per token bucket
+            a = np.zeros(PROMPT_LOGPROBS_BLOCK, np.int32)
+            t = np.zeros(PROMPT_LOGPROBS_BLOCK, np.int32)
+            part = slice(i, i + PROMPT_LOGPROBS_BLOCK)
+            a[:len(idx[part])], t[:len(idx[part])] = idx[part], targets[part]
+            blocks.append(self.steps.prompt_logprobs(self.model.params, hidden, a, t,
+                                                     MAX_LOGPROBS))
+        return where, blocks
+
+    def _record_prompt_logprobs(self, where, blocks) -> None:
+        chosen, rank, ids, top = (np.concatenate([np.asarray(b[i]) for b in blocks])
+                                  for i in range(4))
+        name = self._token_name()
+        for e, (seq, p) in enumerate(where):
+            if len(seq.prompt_logprobs) != p:  # already there (a recomputation)
+                continue
+            n, t = seq.sampling_params.prompt_logprobs, seq.prompt_token_ids[p]
+            entry = {int(i): Logprob(float(v), j + 1, name(int(i)))
+                     for j, (i, v) in enumerate(zip(ids[e, :n], top[e, :n], strict=True))}
+            entry[t] = Logprob(float(chosen[e]), int(rank[e]), name(t))
+            seq.prompt_logprobs.append(entry)
+
+    def _token_name(self):
+        tok = self.model.tokenizer
+        return (lambda i: tok.decode([i])) if tok is not None else (lambda i: None)
 
     def _record_logprobs(self, rows, k: int, tokens, lp) -> None:
         """Appends sample k's logprobs of this step to each row's sequence that asked: the
         sampled token's, and the top SamplingParams.logprobs ones'."""
         chosen, rank, ids, top = lp
-        tok = self.model.tokenizer
-        name = (lambda i: tok.decode([i])) if tok is not None else (lambda i: None)  # noqa: E731
+        name = self._token_name()
         for r in rows:
             if len(r.samples) <= k or r.samples[k].logprobs is None:
                 continue
@@ -426,8 +484,9 @@ class Engine:
         decodes, no request waiting, and every row's stop ids checkable on device."""
         if (self.steps.max_decode_steps == 1 or plan.prefill_rows or self.scheduler.waiting
                 or any(len(r.samples) != 1 or r.samples[0].logprobs is not None
+                       or has_processors(r.samples[0].sampling_params)
                        for r in plan.decode_rows)):
-            return 1  # (logprobs come from the single step's logits)
+            return 1  # (logprobs and processors work on the single step's logits)
         left = 0
         for r in plan.decode_rows:
             seq = r.samples[0]
@@ -515,7 +574,9 @@ class Engine:
     def programs(self) -> list[tuple[str, int]]:
         """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
         ("copy_pages", N), ("sample", B), ("logprobs", B), and ("fill_pages", N) with
-        debug_nan_freed_pages."""
+        debug_nan_freed_pages. Not listed: the small programs that requests with
+        ``prompt_logprobs`` (one per token bucket) or logits processors (one per entry
+        bucket) compile on first use."""
         return compile_ahead.engine_programs(self)
 
     def warmup(self) -> int:
@@ -586,11 +647,18 @@ class Engine:
                                          stop_reason=s.stop_reason, logprobs=lps,
                                          cumulative_logprob=cum))
         first = entry.samples[0]
+        prompt_lps = first.prompt_logprobs
+        if prompt_lps is not None and (first.needs_prompt_logits or (
+                sp.output_kind is RequestOutputKind.DELTA and first.prompt_logprobs_sent)):
+            prompt_lps = None
+        elif prompt_lps is not None:
+            first.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=request_id, prompt=entry.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outs, finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
-            metrics=request_metrics(entry.samples), error=entry.error)
+            metrics=request_metrics(entry.samples), error=entry.error,
+            prompt_logprobs=prompt_lps)
 
     # ---- accounting ----------------------------------------------------------------------
 

@@ -17,9 +17,12 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
+from jaxkv.runtime.processors import has_processors
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, check_bannable, request_key
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
+
+_DEFAULT = SamplingParams()
 
 DEFAULT_TOKEN_BUDGET = 2048  # prompt tokens per prefill step
 
@@ -115,6 +118,12 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         if sp.logprobs is not None:
             raise ValueError(f"SamplingParams.logprobs={sp.logprobs!r}: jaxkv.generate returns "
                              "token ids only; use jaxkv.LLM or jaxkv.Engine")
+        if has_processors(sp):
+            field = next(f for f in ("presence_penalty", "frequency_penalty",
+                                     "repetition_penalty", "logit_bias", "allowed_token_ids",
+                                     "bad_words") if getattr(sp, f) != getattr(_DEFAULT, f))
+            raise ValueError(f"SamplingParams.{field}={getattr(sp, field)!r}: jaxkv.generate "
+                             "has no logits processors; use jaxkv.LLM or jaxkv.Engine")
         check_bannable(sp, cfg.eos_token_ids)
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
@@ -154,7 +163,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
             temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
             ids = sp.banned_ids(len(s.out), eos)
             banned[i, :len(ids)] = ids
-        tokens, _, state = steps.step(model.params, state, batch, keys,
+        tokens, _, _, state = steps.step(model.params, state, batch, keys,
                                       SamplingArrays(temperature, top_k, top_p, step, banned))
         stats.steps += 1
         if not finishing:

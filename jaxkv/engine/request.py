@@ -53,12 +53,24 @@ class Request:
     detok: IncrementalDetokenizer | None = None  # its text, when the model has a tokenizer
     logprobs: list[dict[int, Logprob]] | None = None  # per output token, with logprobs=k
     emitted: tuple[int, int] = (0, 0)  # (tokens, characters) already in delta outputs
+    bad_words_ids: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: entry p for prompt token p (entry 0 is None).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # given in a DELTA output already
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prompt logprobs are not all computed yet (so its prompt must run whole)."""
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -172,6 +184,10 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served by the prefix cache (first admission)
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed (its finish_reason is "error")
+    # With SamplingParams.prompt_logprobs=k, once the prompt has run: per prompt token, None
+    # for the first, then {id: Logprob} for the token and the k most likely (vLLM's shape).
+    # DELTA outputs carry it once.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

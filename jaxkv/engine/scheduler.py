@@ -204,6 +204,8 @@ class Scheduler:
     def _peek_hit(self, req: Request) -> int:
         """Cached prefix length of a waiting request (a look: no LRU refresh, no hit count),
         matched again only when the cache or the request's tokens changed since last time."""
+        if req.needs_prompt_logits:
+            return 0
         key = (self.radix.version, len(req.token_ids))
         if req.peeked is None or req.peeked[0] != key:
             n = self.radix.match_prefix(req.token_ids[:-1], req.cache_salt, peek=True).num_tokens
@@ -216,7 +218,8 @@ class Scheduler:
             return False
         s, tokens = self.page_size, req.token_ids
         match, cached = None, 0
-        if self.radix is not None:  # at most len - 1: the last token must run for its logits
+        if self.radix is not None and not req.needs_prompt_logits:
+            # At most len - 1 tokens: the last token must run for its logits.
             # A peek: counted (and its recency refreshed) only if the request is admitted, so
             # an admission retried every step under memory pressure counts once.
             match = self.radix.match_prefix(tokens[:-1], req.cache_salt, peek=True)

@@ -82,7 +82,7 @@ def warmup(engine) -> int:
     for kind, size in progs:
         if kind == "step":
             keys, arrays = engine._sampling([])
-            tokens, logits, engine.state = engine.steps.step(
+            tokens, logits, _, engine.state = engine.steps.step(
                 engine.model.params, engine.state, padding_batch(size, engine.page_table),
                 keys, arrays)
             forked = sample(logits, keys, arrays)  # the fork sampler: one shape for all

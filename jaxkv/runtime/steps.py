@@ -1,9 +1,11 @@
 """The jit boundary: one ragged step, and a multi-step decode loop, over a donated PagedKVState.
 
-``step(params, state, batch, keys, sampling) -> (tokens i32[B], logits f32[B, V], state)`` runs
-one ragged batch (prefill chunks whose earlier part may be cached, and one-token decode rows,
-flattened; see `jaxkv.runtime.batch`) and samples each row's next token from its last logits.
-Its programs differ only by the token bucket T.
+``step(params, state, batch, keys, sampling) -> (tokens i32[B], logits f32[B, V], hidden [T, H],
+state)`` runs one ragged batch (prefill chunks whose earlier part may be cached, and one-token
+decode rows, flattened; see `jaxkv.runtime.batch`) and samples each row's next token from its
+last logits. ``hidden`` is every token's final hidden state (after the final norm), which
+`prompt_logprobs` turns into logits only for the rows that ask. Its programs differ only by the
+token bucket T.
 
 ``decode_loop(params, state, loop) -> (tokens i32[N, R], after, state)`` runs up to
 ``loop.num_steps`` decode steps of R rows on device (a `lax.while_loop`): each iteration writes
@@ -30,7 +32,7 @@ from jaxkv.attention import check_attention_impl, paged_attention
 from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, write_kv
 from jaxkv.runtime.batch import StepBatch
-from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens
+from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens, token_logprobs
 from jaxkv.sharding import kv_sharding, sharded_attention
 
 MAX_STOP_IDS = 8  # stop ids (EOS included) a row can check on device (<= MAX_BANNED)
@@ -106,7 +108,7 @@ def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBat
     last = jnp.maximum(batch.cu_q_lens[1:] - 1, 0)
     logits = model.logits(hidden[last])
     tokens = sample_tokens(logits, keys, sampling)
-    return tokens, logits, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
+    return tokens, logits, hidden, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
 
 
 def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: PagedKVState,
@@ -157,12 +159,20 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
     return out, after, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
 
 
+def _prompt_logprobs(graphdef, params, hidden, idx, targets, k: int):
+    """Logprobs of ``targets`` (i32[P]) under the logits of ``hidden[idx]``, as
+    `token_logprobs` gives them: (logprob f32[P], rank i32[P], top ids i32[P, k], theirs)."""
+    model = nnx.merge(graphdef, params)
+    return token_logprobs(model.logits(hidden[idx]), targets, k)
+
+
 class Steps(NamedTuple):
     """The jitted programs of one model graph and attention backend."""
 
     step: callable
     decode_loop: callable  # (params, state, loop) -> (tokens, after, state): <= max steps
     max_decode_steps: int
+    prompt_logprobs: callable  # (params, hidden, idx, targets, k) -> token_logprobs' four
 
 
 @functools.lru_cache(maxsize=16)
@@ -178,4 +188,6 @@ def make_steps(graphdef, attention_impl: str = "auto", mesh=None, max_decode_ste
     step = jax.jit(functools.partial(_step, graphdef, attention_impl, mesh), donate_argnums=(1,))
     loop = jax.jit(functools.partial(_decode_loop, graphdef, attention_impl, mesh,
                                      max_decode_steps), donate_argnums=(1,))
-    return Steps(step=step, decode_loop=loop, max_decode_steps=max_decode_steps)
+    plp = jax.jit(functools.partial(_prompt_logprobs, graphdef), static_argnums=(4,))
+    return Steps(step=step, decode_loop=loop, max_decode_steps=max_decode_steps,
+                 prompt_logprobs=plp)

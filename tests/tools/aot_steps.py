@@ -88,3 +88,29 @@ def step_inputs(case: StepCase, impl: str):
 
 def pool_bytes(state) -> int:
     return int(state.kv_pages.size) * jnp.dtype(state.kv_pages.dtype).itemsize
+
+
+def loop_inputs(case: StepCase, impl: str, max_steps: int = 8):
+    """(jitted program, params, state, loop): abstract inputs of one real jaxkv ``decode_loop``
+    of up to ``max_steps`` decode steps over ``case.rows`` rows."""
+    from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
+
+    graphdef, params = abstract_model(case.model, case.dtype)
+    config = config_of(case.model)
+    pages = num_pages(case)
+    width = case.max_model_len // case.page_size
+    state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
+                                              jnp.dtype(case.dtype)))
+    steps = make_steps(graphdef, impl, None, max_steps)
+    r = case.rows
+
+    def z(dtype, *shape):
+        return np.zeros(shape or (r,), dtype)
+
+    loop = DecodeLoopBatch(
+        tokens=z(np.int32), positions=z(np.int32), page_table=z(np.int32, r, width),
+        live=z(bool), limit=z(np.int32), generated=z(np.int32), min_tokens=z(np.int32),
+        max_tokens=z(np.int32), stop_ids=z(np.int32, r, MAX_STOP_IDS), keys=z(np.uint32, r, 2),
+        temperature=z(np.float32), top_k=z(np.int32), top_p=z(np.float32),
+        num_steps=np.int32(max_steps))
+    return steps.decode_loop, params, state, loop
