@@ -18,11 +18,16 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) scripts/generate.py
 
+# Two pytest workers (one per core of the CI machine): most of a test's time is XLA compiling
+# one program at a time, so two processes overlap well. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+TEST_PAR = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TEST_PAR)
 
 test-slow: $(VENV)/.installed
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow $(TEST_PAR)
 
 # The `aot` extra goes into a folder of its own, on PYTHONPATH only for the compile checks: with
 # libtpu and the CUDA plugin in the venv, every jax process on a CPU machine would try (noisily)

@@ -60,3 +60,12 @@ def _release_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+FIRST = ("test_scaleout.py", "test_soak.py")  # the longest files (minutes in subprocesses)
+
+
+def pytest_collection_modifyitems(items):
+    """The longest files first, so that `make test`'s two workers do not end on one of them
+    while the other idles (stable: every other test keeps its order)."""
+    items.sort(key=lambda item: item.path.name not in FIRST)

@@ -245,7 +245,12 @@ def test_engine_bad_words_never_complete():
     model = jaxkv.load_pretrained(DEFAULT_MODEL_DIR)
     prompt = "def fib(n):"
     free = jaxkv.LLM(model, num_pages=64, max_model_len=256).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+        [prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2,
+                                 prompt_logprobs=1))[0]
+    n_prompt = len(free.prompt_token_ids)
+    assert len(free.prompt_logprobs) == n_prompt and free.prompt_logprobs[0] is None
+    assert all(free.prompt_token_ids[p] in free.prompt_logprobs[p] for p in range(1, n_prompt))
+    assert free.outputs[0].token_ids == free.outputs[1].token_ids  # greedy samples agree
     text = free.outputs[0].text
     words = [w for w in text.split() if w.isalpha()]
     assert words, text

@@ -6,16 +6,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 
 
-def test_multidevice_suite_passes():
+def _multidevice(*args):
     env = dict(os.environ, JAXKV_MULTIDEVICE="1", JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(HERE / "multidevice")], env=env, capture_output=True, text=True,
-                         cwd=HERE.parent, timeout=1800)
+                          *args, str(HERE / "multidevice")], env=env, capture_output=True,
+                         text=True, cwd=HERE.parent, timeout=1800)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+def test_multidevice_suite_passes():
+    _multidevice()  # the representative part (the project's -m 'not slow')
+
+
+@pytest.mark.slow
+def test_multidevice_slow_suite_passes():
+    _multidevice("-m", "slow")
 
 
 def test_bench_scaleout_small_run():

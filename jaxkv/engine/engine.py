@@ -100,8 +100,9 @@ class Engine:
     ``mesh`` (`jaxkv.sharding.make_mesh`): tensor parallelism, the model and KV pages split by
     head over its devices; the host side is the same, one page table for all shards.
     ``max_decode_steps``: decode steps one `decode_loop` may run on device between two host
-    reads (1: every step goes back to the host; default 8 on CPU, 1 on GPU/TPU, where the
-    ahead-of-time check shows the loop holding large temporaries on TPU, not yet fixed). A loop
+    reads (1: every step goes back to the host; default 8 on CPU, 1 on GPU/TPU: compiled for
+    TPU, the loop has XLA copy the stacked q/k/v projection weights into another layout, 192
+    MiB at Llama-3.2-1B, and it has not run on a GPU yet; see docs/AOT.md). A loop
     runs only while no request waits,
     and stops early when every row is done. ``async_scheduling``: while decode loops run,
     dispatch the next loop (continuing from the device's own tokens) before reading the

@@ -63,7 +63,8 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
-        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None \
+                and self.sample_index == 0:  # the request's; sample 0 prefills the prompt
             self.prompt_logprobs = [None]
 
     @property

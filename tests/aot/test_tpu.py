@@ -120,3 +120,26 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
     assert r.temp_bytes < 0.1 * pool + sampler
     assert r.largest_copy() < 0.1 * pool
     assert r.alias_bytes >= pool  # the output pool reuses the donated input buffer
+
+
+LOOP_COLUMNS = ["chip", "decode loop", "pool MiB", "temp MiB", "aliased MiB", "copies > 1 MiB",
+                "compile s"]
+
+
+@pytest.mark.parametrize("chip", aot_tpu.CHIPS)
+def test_decode_loop_keeps_the_pool_in_place(chip, table):
+    """The on-device decode loop (8 steps of 64 rows, scanned layers, the TPU kernel): the
+    donated pool is aliased and never copied. What it does copy is recorded: XLA lays the
+    stacked q/k/v projections out anew for the loop (once per loop, not per step), which is
+    why GPU/TPU engines default to max_decode_steps=1."""
+    case = aot_steps.StepCase("llama-3.2-1b", "decode", 1.0, 64, 64, 4096)
+    fn, params, state, loop = aot_steps.loop_inputs(case, "pallas-tpu", 8)
+    r = aot_tpu.compile_for(chip, fn, *aot_tpu.on_chip(chip, (params, state, loop)))
+    pool = aot_steps.pool_bytes(state)
+    big = sorted((c for c in r.copies if c.nbytes > MiB), key=lambda c: -c.nbytes)
+    table("Decode loop on TPU (jaxkv.runtime.steps.decode_loop, 8 steps)", LOOP_COLUMNS,
+          [chip, case.name, pool // MiB, f"{r.temp_bytes / MiB:.1f}", r.alias_bytes // MiB,
+           ", ".join(c.shape for c in big), f"{r.seconds:.1f}"])
+    assert len(r.vmem_bytes) == 1
+    assert r.alias_bytes >= pool
+    assert r.largest_copy() < 0.2 * pool  # weights and sampler rows, never the pool

@@ -9,3 +9,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: share
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
+
+# `make test` runs a representative part (every parallel shape once, the scanned layout for
+# the engine-level checks); the rest runs under `-m slow` (tests/test_scaleout.py starts both).
+SLOW = {
+    "test_greedy_tokens_equal_one_device[gqa-2-2]",
+    "test_greedy_tokens_equal_one_device[gqa-4-1]",
+    "test_greedy_tokens_equal_one_device[gqa-scan-1-2]",
+    "test_greedy_tokens_equal_one_device[gqa-scan-2-1]",
+    "test_greedy_tokens_equal_one_device[mqa-1-2]",
+    "test_prefix_caching_and_preemption_under_tp2[gqa]",
+    "test_after_warmup_tp2_serving_compiles_nothing[gqa]",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.name in SLOW:
+            item.add_marker(pytest.mark.slow)
