@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 # Two pytest workers (one per core of the CI machine): most of a test's time is XLA compiling
 # one program at a time, so two processes overlap well. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-TEST_PAR = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+TEST_PAR = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(TEST_PAR)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
+from collections.abc import Mapping
+from types import MappingProxyType
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default cap)
 
@@ -70,7 +73,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = None  # kept as a read-only mapping
     allowed_token_ids: tuple[int, ...] | None = None  # a list or tuple of ids
     bad_words: tuple[str, ...] = ()  # a list or tuple of strings
 
@@ -80,6 +83,9 @@ class SamplingParams:
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_id(v):  # numpy integers too
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
         def is_real(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -141,27 +147,28 @@ class SamplingParams:
         if not is_real(r) or r <= 0:
             fail("repetition_penalty", r, "must be a finite number > 0 (1 disables it)")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
+            if not isinstance(self.logit_bias, Mapping):
                 fail("logit_bias", self.logit_bias, "must be a dict {token id: bias}")
             bias = {}
             for k, v in self.logit_bias.items():
                 tid = int(k) if isinstance(k, str) and k.isdigit() else k  # JSON keys
-                if not is_int(tid) or tid < 0:
+                if not is_id(tid) or tid < 0:
                     fail("logit_bias", self.logit_bias, f"key {k!r} is not a token id")
-                if not is_real(v):
+                if not isinstance(v, numbers.Real) or isinstance(v, bool) or \
+                        not -100 <= v <= 100:
                     fail("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} must be a "
-                         "finite number")
-                bias[tid] = float(v)
-            object.__setattr__(self, "logit_bias", bias or None)
+                         "number in [-100, 100] (OpenAI's range)")
+                bias[int(tid)] = float(v)
+            object.__setattr__(self, "logit_bias", MappingProxyType(bias) if bias else None)
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if isinstance(ids, (str, bytes, int)) or not hasattr(ids, "__iter__"):
                 fail("allowed_token_ids", ids, "must be a sequence of token ids")
             ids = tuple(ids)
-            if not ids or any(not is_int(i) or i < 0 for i in ids):
+            if not ids or any(not is_id(i) or i < 0 for i in ids):
                 fail("allowed_token_ids", self.allowed_token_ids,
                      "must be a non-empty sequence of non-negative ints")
-            object.__setattr__(self, "allowed_token_ids", ids)
+            object.__setattr__(self, "allowed_token_ids", tuple(int(i) for i in ids))
         words = self.bad_words
         words = () if words is None else (words,) if isinstance(words, str) else words
         if not isinstance(words, (list, tuple)) or any(
@@ -178,13 +185,18 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}={value!r}: {bad[0]} is not a token id "
                                  f"in the vocabulary [0, {vocab_size})")
 
-    def bad_words_ids(self, tokenizer) -> list[tuple[int, ...]]:
+    def bad_words_ids(self, tokenizer, vocab_size: int) -> list[tuple[int, ...]]:
         """Token sequences of ``bad_words`` (vLLM's rule): each word as encoded alone and, when
-        that is a different first token of the same length, after a space (mid-text)."""
+        that is a different first token of the same length, after a space (mid-text). Raises
+        ValueError naming the field for a word that encodes to nothing or past the vocabulary."""
         out: list[tuple[int, ...]] = []
         for word in self.bad_words:
             alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not alone or any(not 0 <= t < vocab_size for t in alone + spaced):
+                raise ValueError(f"SamplingParams.bad_words={self.bad_words!r}: {word!r} "
+                                 f"encodes to {list(alone)}, not tokens of the vocabulary "
+                                 f"[0, {vocab_size})")
             out.append(alone)
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 out.append(spaced)

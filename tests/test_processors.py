@@ -140,7 +140,8 @@ def test_processed_draws_follow_the_exact_distribution(sp):
                       np.uint32)
     arrays = SamplingArrays.build([sp.temperature] * n, [sp.top_k] * n, [sp.top_p] * n,
                                   [0] * n, n)
-    draws = np.asarray(sample_processed(np.tile(logits, (n, 1)), keys, arrays, procs))
+    draws = np.asarray(sample_processed(np.tile(logits, (n, 1)), keys, arrays, procs,
+                                        np.zeros(n, np.int32)))
     assert _chi_square(draws, want) > P_VALUE
     # The test has power: the same draws reject the distribution without the processors.
     assert np.any(plain[draws] == 0) or _chi_square(draws, plain) < P_VALUE
@@ -155,14 +156,30 @@ def test_processed_draws_follow_the_exact_distribution(sp):
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"), (dict(bad_words=[3]), "bad_words"),
+    (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={True: 1.0}), "logit_bias"),
 ])
 def test_bad_processor_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**kwargs)
 
 
-def test_logit_bias_takes_json_keys():
+def test_logit_bias_takes_json_keys_and_numpy_ids():
     assert SamplingParams(logit_bias={"12": 1}).logit_bias == {12: 1.0}
+    sp = SamplingParams(logit_bias={np.int64(3): np.float32(-2)},
+                        allowed_token_ids=np.arange(4, 7))
+    assert sp.logit_bias == {3: -2.0} and sp.allowed_token_ids == (4, 5, 6)
+    with pytest.raises(TypeError):  # validated once: read-only afterwards
+        sp.logit_bias[5] = 100.0
+
+
+def test_rows_without_processors_keep_their_tokens():
+    logits = np.random.default_rng(2).standard_normal((3, 50)).astype(np.float32)
+    procs = build_processors([(1, [4, 4, 9], 1, SamplingParams(repetition_penalty=3.0), [])], 3)
+    keys = np.zeros((3, 2), np.uint32)
+    greedy = SamplingArrays.greedy(3)
+    got = np.asarray(sample_processed(logits, keys, greedy, procs, np.array([7, 7, 7])))
+    want = _dense(logits[1], [4, 4, 9], 1, SamplingParams(repetition_penalty=3.0)).argmax()
+    assert got[0] == got[2] == 7 and got[1] == want
 
 
 # ---- the engine against transformers ----------------------------------------------------------
@@ -259,7 +276,7 @@ def test_engine_bad_words_never_complete():
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, bad_words=[word])
     engine.add_request("r", prompt=prompt, sampling_params=sp)
     out = drive(engine)["r"].outputs[0]
-    for seq in sp.bad_words_ids(model.tokenizer):
+    for seq in sp.bad_words_ids(model.tokenizer, model.config.vocab_size):
         ids = out.token_ids
         assert not any(tuple(ids[i:i + len(seq)]) == seq for i in range(len(ids))), (word, seq)
     assert out.token_ids != free.outputs[0].token_ids

@@ -83,6 +83,14 @@ class _Entry:
     error: str | None = None  # why the request failed (finish_reason "error")
 
 
+def _logprob_entry(token: int, logprob, rank, top_ids, top_logprobs, name) -> dict:
+    """{id: Logprob} in vLLM's order: the token itself first, then the top k by rank."""
+    entry = {token: Logprob(float(logprob), int(rank), name(token))}
+    for j, (i, v) in enumerate(zip(top_ids, top_logprobs, strict=True)):
+        entry.setdefault(int(i), Logprob(float(v), j + 1, name(int(i))))
+    return entry
+
+
 def _positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
@@ -196,7 +204,7 @@ class Engine:
                                include_stop_str_in_output=sp.include_stop_str_in_output))
                    for j, key in enumerate(self._sample_keys(sp, index))]
         if sp.bad_words:
-            words = sp.bad_words_ids(tok)
+            words = sp.bad_words_ids(tok, self.model.config.vocab_size)
             for s in samples:
                 s.bad_words_ids = words
         samples[0].forks = samples[1:]
@@ -253,6 +261,8 @@ class Engine:
                                  "model with a tokenizer (stop_token_ids, logit_bias and "
                                  "allowed_token_ids take token ids)")
         check_bannable(sp, self.model.config.eos_token_ids)
+        if sp.bad_words:
+            sp.bad_words_ids(self.model.tokenizer, self.model.config.vocab_size)
 
     def _sample_keys(self, sp: SamplingParams, index: int) -> list[np.ndarray]:
         """Sample j's raw key: as `jaxkv.generate` with ``sp.seed``, else from the engine seed
@@ -376,13 +386,12 @@ class Engine:
             seqs = [(r.slot, r.samples[k]) for r in rows if len(r.samples) > k]
             if k:
                 keys, arrays = self._sampling(seqs)
+                drawn.append(sample(logits, keys, arrays))
             edits = [(i, q.token_ids, q.num_prompt_tokens, q.sampling_params, q.bad_words_ids)
                      for i, q in seqs if has_processors(q.sampling_params)]
-            if edits:  # the same draws, from processed logits
+            if edits:  # their rows draw again, from processed logits; the others keep theirs
                 procs = build_processors(edits, self.max_num_seqs)
-                drawn[k:] = [sample_processed(logits, keys, arrays, procs)]
-            elif k:
-                drawn.append(sample(logits, keys, arrays))
+                drawn[k] = sample_processed(logits, keys, arrays, procs, drawn[k])
         want = [any(s.logprobs is not None for r in rows for s in r.samples[k:k + 1])
                 for k in range(len(drawn))]
         lps = [token_logprobs(logits, d, MAX_LOGPROBS) if w else None
@@ -436,10 +445,8 @@ class Engine:
             if len(seq.prompt_logprobs) != p:  # already there (a recomputation)
                 continue
             n, t = seq.sampling_params.prompt_logprobs, seq.prompt_token_ids[p]
-            entry = {int(i): Logprob(float(v), j + 1, name(int(i)))
-                     for j, (i, v) in enumerate(zip(ids[e, :n], top[e, :n], strict=True))}
-            entry[t] = Logprob(float(chosen[e]), int(rank[e]), name(t))
-            seq.prompt_logprobs.append(entry)
+            seq.prompt_logprobs.append(_logprob_entry(t, chosen[e], rank[e], ids[e, :n],
+                                                      top[e, :n], name))
 
     def _token_name(self):
         tok = self.model.tokenizer
@@ -455,11 +462,9 @@ class Engine:
                 continue
             seq, b = r.samples[k], r.slot
             n = seq.sampling_params.logprobs
-            entry = {int(i): Logprob(float(v), j + 1, name(int(i)))
-                     for j, (i, v) in enumerate(zip(ids[b, :n], top[b, :n], strict=True))}
             t = int(tokens[b])
-            entry[t] = Logprob(float(chosen[b]), int(rank[b]), name(t))
-            seq.logprobs.append(entry)
+            seq.logprobs.append(_logprob_entry(t, chosen[b], rank[b], ids[b, :n], top[b, :n],
+                                               name))
 
     def _sampling(self, seqs, rows: int | None = None):
         """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""

@@ -115,9 +115,11 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         if sp.stop:
             raise ValueError(f"SamplingParams.stop={sp.stop!r}: jaxkv.generate returns token "
                              "ids only; use jaxkv.LLM or jaxkv.Engine for stop strings")
-        if sp.logprobs is not None:
-            raise ValueError(f"SamplingParams.logprobs={sp.logprobs!r}: jaxkv.generate returns "
-                             "token ids only; use jaxkv.LLM or jaxkv.Engine")
+        for field in ("logprobs", "prompt_logprobs"):
+            if getattr(sp, field) is not None:
+                raise ValueError(f"SamplingParams.{field}={getattr(sp, field)!r}: "
+                                 "jaxkv.generate returns token ids only; use jaxkv.LLM or "
+                                 "jaxkv.Engine")
         if has_processors(sp):
             field = next(f for f in ("presence_penalty", "frequency_penalty",
                                      "repetition_penalty", "logit_bias", "allowed_token_ids",

@@ -40,6 +40,7 @@ class LogitsProcessors:
     seen: jax.Array  # bool[B, L]  the id occurs in the prompt or the output
     allowed: jax.Array  # bool[B, L]  in allowed_token_ids
     restrict: jax.Array  # bool[B]  only allowed entries may be sampled
+    active: jax.Array  # bool[B]  the row has processors (the others keep their tokens)
     repetition: jax.Array  # f32[B]  1: off
     frequency: jax.Array  # f32[B]  0: off
     presence: jax.Array  # f32[B]  0: off
@@ -62,10 +63,14 @@ def apply_processors(logits, p: LogitsProcessors):
 
 
 @jax.jit
-def sample_processed(logits, keys, sampling: SamplingArrays, processors: LogitsProcessors):
-    """`sample_tokens` of the processed logits (one program per entry bucket L)."""
-    return sample_tokens(apply_processors(logits.astype(jnp.float32), processors), keys,
-                         sampling)
+def sample_processed(logits, keys, sampling: SamplingArrays, processors: LogitsProcessors,
+                     tokens):
+    """`sample_tokens` of the processed logits for the rows with processors; the other rows
+    keep ``tokens`` (what the program without processors drew: a row's draw never depends on
+    its company). One program per entry bucket L."""
+    drawn = sample_tokens(apply_processors(logits.astype(jnp.float32), processors), keys,
+                          sampling)
+    return jnp.where(processors.active, drawn, tokens)
 
 
 def bad_word_bans(bad_words_ids, output_ids) -> list[int]:
@@ -74,7 +79,7 @@ def bad_word_bans(bad_words_ids, output_ids) -> list[int]:
     bans = []
     for word in bad_words_ids:
         m = len(word) - 1
-        if m > len(output_ids):
+        if m < 0 or m > len(output_ids):
             continue
         if m == 0 or list(output_ids[-m:]) == list(word[:-1]):
             bans.append(word[-1])
@@ -119,13 +124,14 @@ def build_processors(rows, num_rows: int) -> LogitsProcessors:
         bias=np.zeros((num_rows, width), np.float32),
         counts=np.zeros((num_rows, width), np.int32),
         seen=np.zeros((num_rows, width), bool), allowed=np.zeros((num_rows, width), bool),
-        restrict=np.zeros(num_rows, bool), repetition=np.ones(num_rows, np.float32),
+        restrict=np.zeros(num_rows, bool), active=np.zeros(num_rows, bool),
+        repetition=np.ones(num_rows, np.float32),
         frequency=np.zeros(num_rows, np.float32), presence=np.zeros(num_rows, np.float32))
     for row, sp, ids, bias, counts, seen, allowed in built:
         n = len(ids)
         p.ids[row, :n], p.bias[row, :n], p.counts[row, :n] = ids, bias, counts
         p.seen[row, :n], p.allowed[row, :n] = seen, allowed
-        p.restrict[row] = sp.allowed_token_ids is not None
+        p.restrict[row], p.active[row] = sp.allowed_token_ids is not None, True
         p.repetition[row] = sp.repetition_penalty
         p.frequency[row], p.presence[row] = sp.frequency_penalty, sp.presence_penalty
     return p
