@@ -30,12 +30,12 @@ import numpy as np
 from jaxkv.attention import check_page_size
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
+from jaxkv.engine import logprobs
 from jaxkv.engine import warmup as compile_ahead
 from jaxkv.engine.detokenizer import IncrementalDetokenizer
 from jaxkv.engine.request import (
     CompletionOutput,
     EngineStats,
-    Logprob,
     Request,
     RequestOutput,
     RequestStatus,
@@ -60,7 +60,6 @@ from jaxkv.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParam
 from jaxkv.sharding import shard, shard_state
 
 _log = logging.getLogger(__name__)
-PROMPT_LOGPROBS_BLOCK = 128  # prompt positions scored per program call
 
 
 @dataclasses.dataclass
@@ -81,14 +80,6 @@ class _Entry:
     prompt: str | None
     samples: list[Request]  # samples[j] is sample j; samples[0] prefills the prompt
     error: str | None = None  # why the request failed (finish_reason "error")
-
-
-def _logprob_entry(token: int, logprob, rank, top_ids, top_logprobs, name) -> dict:
-    """{id: Logprob} in vLLM's order: the token itself first, then the top k by rank."""
-    entry = {token: Logprob(float(logprob), int(rank), name(token))}
-    for j, (i, v) in enumerate(zip(top_ids, top_logprobs, strict=True)):
-        entry.setdefault(int(i), Logprob(float(v), j + 1, name(int(i))))
-    return entry
 
 
 def _positive_int(name: str, value) -> int:
@@ -396,75 +387,20 @@ class Engine:
                 for k in range(len(drawn))]
         lps = [token_logprobs(logits, d, MAX_LOGPROBS) if w else None
                for d, w in zip(drawn, want, strict=True)]
-        prompt_lps = self._prompt_logprobs(rows, batch.cu_q_lens, hidden)
+        prompt_lps = logprobs.dispatch_prompt_logprobs(
+            self.steps, self.model.params, rows, batch.cu_q_lens, hidden)
 
         def read():
             got = [np.asarray(d) for d in drawn]
             for k, lp in enumerate(lps):
                 if lp is not None:
-                    self._record_logprobs(rows, k, got[k], [np.asarray(x) for x in lp])
+                    logprobs.record_logprobs(rows, k, got[k], [np.asarray(x) for x in lp],
+                                             self.model.tokenizer)
             if prompt_lps is not None:
-                self._record_prompt_logprobs(*prompt_lps)
+                logprobs.record_prompt_logprobs(*prompt_lps, self.model.tokenizer)
             return "step", [[int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
                             else None for r in rows]
         return read
-
-    def _prompt_logprobs(self, rows, cu_q_lens, hidden):
-        """Dispatches the prompt logprobs this step's chunks give (each chunk position p
-        scores prompt token p + 1): ((sequence, target position) per entry, device outputs
-        per block), or None when no row asks."""
-        idx, targets, where = [], [], []
-        for r in rows:
-            seq = r.request
-            if not seq.needs_prompt_logits:
-                continue
-            at, have = int(cu_q_lens[r.slot]), len(seq.prompt_logprobs)
-            for j in range(len(r.tokens)):
-                p = r.start + j + 1
-                if have <= p < seq.num_prompt_tokens:
-                    idx.append(at + j)
-                    targets.append(seq.prompt_token_ids[p])
-                    where.append((seq, p))
-        if not idx:
-            return None
-        blocks = []
-        for i in range(0, len(idx), PROMPT_LOGPROBS_BLOCK):  # one program per token bucket
-            a = np.zeros(PROMPT_LOGPROBS_BLOCK, np.int32)
-            t = np.zeros(PROMPT_LOGPROBS_BLOCK, np.int32)
-            part = slice(i, i + PROMPT_LOGPROBS_BLOCK)
-            a[:len(idx[part])], t[:len(idx[part])] = idx[part], targets[part]
-            blocks.append(self.steps.prompt_logprobs(self.model.params, hidden, a, t,
-                                                     MAX_LOGPROBS))
-        return where, blocks
-
-    def _record_prompt_logprobs(self, where, blocks) -> None:
-        chosen, rank, ids, top = (np.concatenate([np.asarray(b[i]) for b in blocks])
-                                  for i in range(4))
-        name = self._token_name()
-        for e, (seq, p) in enumerate(where):
-            if len(seq.prompt_logprobs) != p:  # already there (a recomputation)
-                continue
-            n, t = seq.sampling_params.prompt_logprobs, seq.prompt_token_ids[p]
-            seq.prompt_logprobs.append(_logprob_entry(t, chosen[e], rank[e], ids[e, :n],
-                                                      top[e, :n], name))
-
-    def _token_name(self):
-        tok = self.model.tokenizer
-        return (lambda i: tok.decode([i])) if tok is not None else (lambda i: None)
-
-    def _record_logprobs(self, rows, k: int, tokens, lp) -> None:
-        """Appends sample k's logprobs of this step to each row's sequence that asked: the
-        sampled token's, and the top SamplingParams.logprobs ones'."""
-        chosen, rank, ids, top = lp
-        name = self._token_name()
-        for r in rows:
-            if len(r.samples) <= k or r.samples[k].logprobs is None:
-                continue
-            seq, b = r.samples[k], r.slot
-            n = seq.sampling_params.logprobs
-            t = int(tokens[b])
-            seq.logprobs.append(_logprob_entry(t, chosen[b], rank[b], ids[b, :n], top[b, :n],
-                                               name))
 
     def _sampling(self, seqs, rows: int | None = None):
         """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""
