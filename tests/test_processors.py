@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from hf_models import build_hf_model, save_hf_model
+from sampling_ref import filtered_distribution
 from scipy import stats
 
 import jaxkv
@@ -108,20 +109,6 @@ def _chi_square(draws, p):
     return stats.chisquare(obs[keep], exp[keep]).pvalue
 
 
-def _softmax_filtered(x, temperature, top_k, top_p):
-    x = x.astype(np.float64) / temperature
-    order = np.argsort(-x, kind="stable")
-    keep = np.zeros(x.size, bool)
-    keep[order[:top_k if top_k > 0 else x.size]] = True
-    p = np.where(keep & np.isfinite(x), np.exp(x - x[np.isfinite(x)].max()), 0.0)
-    p /= p.sum()
-    cum = np.cumsum(p[order])
-    nucleus = order[(cum - p[order]) < top_p]
-    out = np.zeros(x.size)
-    out[nucleus] = p[nucleus]
-    return out / out.sum()
-
-
 @pytest.mark.parametrize("sp", [
     SamplingParams(temperature=0.7, top_k=12, top_p=0.9, repetition_penalty=1.5,
                    frequency_penalty=0.4, logit_bias={0: 2.0}),
@@ -133,8 +120,8 @@ def test_processed_draws_follow_the_exact_distribution(sp):
     v, n = 48, 20_000
     logits = (rng.standard_normal(v) * 1.5).astype(np.float32)
     hist = rng.integers(0, v, size=30).tolist()
-    want = _softmax_filtered(_dense(logits, hist, 10, sp), sp.temperature, sp.top_k, sp.top_p)
-    plain = _softmax_filtered(logits, sp.temperature, sp.top_k, sp.top_p)
+    want = filtered_distribution(_dense(logits, hist, 10, sp), sp.temperature, sp.top_k, sp.top_p)
+    plain = filtered_distribution(logits, sp.temperature, sp.top_k, sp.top_p)
     procs = build_processors([(i, hist, 10, sp, []) for i in range(n)], n)
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.PRNGKey(7), n)),
                       np.uint32)

@@ -5,6 +5,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from sampling_ref import filtered_distribution
 
 from jaxkv import SamplingParams
 from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
@@ -48,21 +49,6 @@ def test_top_p_keeps_the_smallest_covering_set():
     assert set(_draw(logits, 500, top_p=0.5).tolist()) == {0}
 
 
-def _expected(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """The distribution vLLM samples from: top-k by rank, then the smallest nucleus."""
-    x = logits.astype(np.float64) / temperature
-    order = np.argsort(-x, kind="stable")
-    keep = np.zeros(x.size, bool)
-    keep[order[:top_k if top_k > 0 else x.size]] = True
-    p = np.where(keep, np.exp(x - x.max()), 0.0)
-    p /= p.sum()
-    cum = np.cumsum(p[order])
-    nucleus = order[(cum - p[order]) < top_p]
-    out = np.zeros(x.size)
-    out[nucleus] = p[nucleus]
-    return out / out.sum()
-
-
 @pytest.mark.parametrize("vocab, row", [
     (40, dict(temperature=0.8, top_k=7)),
     (40, dict(temperature=1.3, top_p=0.6)),
@@ -76,7 +62,7 @@ def test_filtered_sampling_matches_the_exact_distribution(vocab, row):
 
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal(vocab) * 2).astype(np.float32)
-    want = _expected(logits, **row)
+    want = filtered_distribution(logits, **row)
     if vocab > TOP_K_CAP:  # the case really is past the cap
         assert np.count_nonzero(want) > TOP_K_CAP
     n = 6000

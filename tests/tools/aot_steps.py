@@ -69,15 +69,20 @@ def num_pages(case: StepCase) -> int:
     return int(case.pool_gib * 2**30) // per_page
 
 
-def step_inputs(case: StepCase, impl: str):
-    """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv ragged
-    ``step`` (T tokens over B slots)."""
+def _abstract_state(case: StepCase):
+    """(graphdef, abstract params, abstract KV state, pages, page-table width) of a case."""
     graphdef, params = abstract_model(case.model, case.dtype)
     config = config_of(case.model)
     pages = num_pages(case)
-    width = case.max_model_len // case.page_size
     state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
                                               jnp.dtype(case.dtype)))
+    return graphdef, params, state, pages, case.max_model_len // case.page_size
+
+
+def step_inputs(case: StepCase, impl: str):
+    """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv ragged
+    ``step`` (T tokens over B slots)."""
+    graphdef, params, state, pages, width = _abstract_state(case)
     steps = make_steps(graphdef, impl)
     # "decode" cases: the ragged step with one token per row, what GPU/TPU engines run by
     # default (max_decode_steps=1 there; see jaxkv.engine.Engine).
@@ -92,25 +97,13 @@ def pool_bytes(state) -> int:
 
 def loop_inputs(case: StepCase, impl: str, max_steps: int = 8):
     """(jitted program, params, state, loop): abstract inputs of one real jaxkv ``decode_loop``
-    of up to ``max_steps`` decode steps over ``case.rows`` rows."""
-    from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
+    of up to ``max_steps`` decode steps over ``case.rows`` rows (padding rows, as warmup
+    compiles them)."""
+    from types import SimpleNamespace
 
-    graphdef, params = abstract_model(case.model, case.dtype)
-    config = config_of(case.model)
-    pages = num_pages(case)
-    width = case.max_model_len // case.page_size
-    state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
-                                              jnp.dtype(case.dtype)))
+    from jaxkv.engine.warmup import idle_decode_loop
+
+    graphdef, params, state, _, width = _abstract_state(case)
     steps = make_steps(graphdef, impl, None, max_steps)
-    r = case.rows
-
-    def z(dtype, *shape):
-        return np.zeros(shape or (r,), dtype)
-
-    loop = DecodeLoopBatch(
-        tokens=z(np.int32), positions=z(np.int32), page_table=z(np.int32, r, width),
-        live=z(bool), limit=z(np.int32), generated=z(np.int32), min_tokens=z(np.int32),
-        max_tokens=z(np.int32), stop_ids=z(np.int32, r, MAX_STOP_IDS), keys=z(np.uint32, r, 2),
-        temperature=z(np.float32), top_k=z(np.int32), top_p=z(np.float32),
-        num_steps=np.int32(max_steps))
-    return steps.decode_loop, params, state, loop
+    loop = idle_decode_loop(SimpleNamespace(max_pages_per_seq=width), case.rows)
+    return steps.decode_loop, params, state, loop.replace(num_steps=np.int32(max_steps))
