@@ -9,8 +9,11 @@
    0.9 rows (candidate set), and `sample` alone on [32, 128256] logits.
 
 3. Width: 8 sequences of <= 50 tokens decoding at max_model_len 64 and 8192.
+4. Attention: the CPU decode reference over the model's 12 layers of paged KV (--batch rows
+   of ~--prompt-len tokens), against gathering the same pages alone, and against reading
+   them once at the measured memory bandwidth.
 
-    python scripts/profile_runtime.py [--parts host sampler width] [--batch 32]
+    python scripts/profile_runtime.py [--parts host sampler width attention] [--batch 32]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -148,6 +152,63 @@ def width_profile(args) -> None:
               f"{1e3 * per:.1f} ms per decode step")
 
 
+def _best_of(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def attention_profile(args) -> None:
+    """Decode attention alone: the reference, the page gather inside it, and the bound."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling bench_cache.py
+    from bench_cache import memory_bandwidth
+
+    from pallas_kernels import paged_decode_attention_reference
+
+    cfg = model_config(32000, args.layers)
+    layers, k, d, s = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16
+    b, ctx = args.batch, args.prompt_len
+    rng = np.random.default_rng(0)
+    width = -(-(ctx + 50) // s)
+    pages = rng.permutation(b * width + 16)[:b * width].reshape(b, width).astype(np.int32)
+    pool = jax.numpy.asarray(rng.standard_normal((layers, k, b * width + 16, s, 2 * d),
+                                                 dtype=np.float32))
+    lengths = rng.integers(ctx - 50, ctx + 50, b).astype(np.int32)
+    q = rng.standard_normal((layers, b, cfg.num_heads, d)).astype(np.float32)
+    used = -(-lengths // s)
+    kv_bytes = int(used.sum()) * layers * k * s * 2 * d * 4
+
+    @jax.jit
+    def reference(q, pool, table, lengths):
+        return [paged_decode_attention_reference(q[i], pool, table, lengths, sm_scale=d ** -0.5,
+                                                 layer=i) for i in range(layers)]
+
+    @jax.jit
+    def gather(pool, table):  # the pages each row holds, materialized as the reference does
+        return [pool[i][:, table] for i in range(layers)]
+
+    @jax.jit
+    def gather_page_major(flat, table):  # the same pages from a [L, P, K*S*2D] pool
+        return [flat[i].at[table].get(mode="promise_in_bounds") for i in range(layers)]
+
+    table = pages[:, :int(used.max())]
+    t_ref = _best_of(reference, q, pool, pages, lengths)
+    t_gather = _best_of(gather, pool, table)
+    flat = pool.transpose(0, 2, 1, 3, 4).reshape(layers, pool.shape[2], -1)
+    t_page_major = _best_of(gather_page_major, flat, table)
+    bound = kv_bytes / memory_bandwidth()
+    print(f"attention: decode, batch {b}, ~{ctx} tokens of context, {layers} layers, "
+          f"{kv_bytes / 1e6:.0f} MB of KV")
+    print(f"  reference attention {1e3 * t_ref:6.1f} ms; the page gather alone "
+          f"{1e3 * t_gather:6.1f} ms; reading the KV once at the measured bandwidth "
+          f"{1e3 * bound:5.1f} ms")
+    print(f"  the same gather from a page-major pool [L, P, K*S*2D]: {1e3 * t_page_major:6.1f} ms")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -156,10 +217,11 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--parts", nargs="+", default=["host", "sampler", "width"],
-                        choices=["host", "sampler", "width"])
+                        choices=["host", "sampler", "width", "attention"])
     args = parser.parse_args(argv)
     for part in args.parts:
-        {"host": host_profile, "sampler": sampler_profile, "width": width_profile}[part](args)
+        {"host": host_profile, "sampler": sampler_profile, "width": width_profile,
+         "attention": attention_profile}[part](args)
     print("reproduce: python scripts/profile_runtime.py " + " ".join(argv or sys.argv[1:]))
     return 0
 

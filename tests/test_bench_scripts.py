@@ -33,3 +33,12 @@ def test_bench_peers_small_multiturn(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "jaxkv Engine (tuned) vs transformers generate: 16/16 requests identical" in out
     assert (tmp_path / "p.png").exists()
+
+
+def test_profile_runtime_attention_part(capsys):
+    """The attention profile runs the reference and both gathers on a small pool."""
+    assert _load("profile_runtime").main(["--parts", "attention", "--layers", "2",
+                                          "--batch", "2", "--prompt-len", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "reference attention" in out and "page-major pool" in out
+    assert "reproduce: python scripts/profile_runtime.py --parts attention" in out
