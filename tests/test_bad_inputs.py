@@ -98,6 +98,12 @@ def _batch(row, **kw):
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"
 
 
+def _write(path, data: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
 def _drop_k_proj(t):
     del t[K_PROJ]
 
@@ -220,8 +226,15 @@ BAD = [
                  id="unknown attention_impl"),
     # --- load_pretrained --------------------------------------------------------------------
     pytest.param(lambda ctx: jaxkv.load_pretrained(ctx.tmp / "no-such-model"),
-                 CheckpointNotFoundError, "checkpoint folder .*no-such-model.* not found",
-                 id="checkpoint folder missing"),
+                 CheckpointNotFoundError, "no such file or folder .*no-such-model",
+                 id="checkpoint path missing"),
+    pytest.param(lambda ctx: jaxkv.load_pretrained(_write(ctx.tmp / "notes.txt", b"hello")),
+                 CheckpointError, "notes.txt.* is a file but not a GGUF checkpoint",
+                 id="checkpoint path a non-checkpoint file"),
+    pytest.param(lambda ctx: jaxkv.load_pretrained(_write(ctx.tmp / "empty" / "README", b"")
+                                                   .parent),
+                 CheckpointNotFoundError, "folder .*empty.* has no config.json",
+                 id="checkpoint folder without config"),
     pytest.param(lambda ctx: jaxkv.load_pretrained(_copy_checkpoint(
         ctx, edit_config=lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]))),
         UnsupportedModelError, "gpt2", id="unsupported architecture"),

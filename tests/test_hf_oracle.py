@@ -18,12 +18,11 @@ import re
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from hf_models import SPECS, build_hf_model, save_hf_model
+from hf_models import SPECS, build_hf_model, dense_logits, hf_logits, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 import jaxkv
@@ -34,7 +33,6 @@ from jaxkv.model.loading import CheckpointError
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
-from pallas_kernels.reference import dense_causal_attention
 
 ATOL = 1e-4  # fp32 end to end; observed differences are ~3e-6, greedy top-2 gaps >= 1.7e-4
 NEW_TOKENS = 64
@@ -66,29 +64,6 @@ def checkpoints(tmp_path_factory):
         return cache[name]
 
     return get
-
-
-def hf_logits(hf, ids) -> np.ndarray:
-    """f32[T, V] logits of every position of one sequence."""
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
-
-
-def dense_logits(model, ids, config=None) -> np.ndarray:
-    """f32[T, V] jaxkv logits of every position, with dense causal attention (no pages)."""
-    module = model.module()
-    if config is not None:  # the same weights, computed with some option switched off
-        module.config = config
-    c = module.config
-
-    def attention(layer, q_thd, k_tkd, v_tkd, carry):
-        out = dense_causal_attention(q_thd[None], k_tkd[None], v_tkd[None], sm_scale=c.sm_scale,
-                                     sliding_window=c.sliding_window)
-        return out[0], carry
-
-    tokens = jnp.asarray(ids, jnp.int32)
-    hidden, _ = module(tokens, jnp.arange(len(ids), dtype=jnp.int32), attention, None)
-    return np.asarray(module.logits(hidden))
 
 
 def paged_prefill_logits(model, prompts, *, split=None, page_size=PAGE_SIZE,

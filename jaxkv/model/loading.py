@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints <-> jaxkv parameters (safetensors, single file or sharded).
+"""Hugging Face checkpoints <-> jaxkv parameters (safetensors, single file or sharded; GGUF
+files come in through `load_tensors` under HF names, see gguf.py).
 
 Every problem with a checkpoint is reported by tensor name: missing, unexpected, or of the
 wrong shape. HF stores linear weights as [out, in]; jaxkv stores [in, out] (``x @ w``).
@@ -77,6 +78,14 @@ def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int,
     return out
 
 
+def _safetensors_items(folder: Path):
+    """(name, loader) for every tensor of a safetensors checkpoint folder."""
+    for path in _tensor_files(folder):
+        with safe_open(str(path), framework="np") as f:
+            for key in f.keys():
+                yield key, lambda f=f, key=key: f.get_tensor(key)
+
+
 def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
                 param_dtype=jnp.float32, scan_layers: bool | None = None,
                 on_host: bool = False) -> Llama:
@@ -85,28 +94,35 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
     ``on_host`` keeps the weights in host memory (numpy) instead of the default device: for a
     model larger than one device, which `jaxkv.shard` then places shard by shard."""
     folder = Path(folder)
+    return load_tensors(_safetensors_items(folder), str(folder), config, dtype=dtype,
+                        param_dtype=param_dtype, scan_layers=scan_layers, on_host=on_host)
+
+
+def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, scan_layers: bool | None = None,
+                 on_host: bool = False) -> Llama:
+    """Builds a `Llama` from (HF tensor name, loader) pairs: a loader is called only for a
+    tensor the config expects. ``source`` names the checkpoint in errors."""
     model = abstract_model(config, dtype, param_dtype, scan_layers)
     expected = _expected(model)
     loaded: dict[tuple[str, int | None], np.ndarray] = {}
     seen, unexpected, bad_shapes, bad_keys = set(), [], [], set()
-    for path in _tensor_files(folder):
-        with safe_open(str(path), framework="np") as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if key not in expected:
-                    if key == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # some tied checkpoints store the shared matrix twice
-                    unexpected.append(key)
-                    continue
-                name, layer, transpose, shape = expected[key]
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != shape:
-                    bad_shapes.append(f"{key}: expected {shape}, got {tuple(tensor.shape)}")
-                    bad_keys.add(key)
-                    continue
-                seen.add(key)
-                loaded[name, layer] = tensor.T if transpose else tensor
+    for key, load in items:
+        if key.endswith(_IGNORED_SUFFIXES):
+            continue
+        if key not in expected:
+            if key == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # some tied checkpoints store the shared matrix twice
+            unexpected.append(key)
+            continue
+        name, layer, transpose, shape = expected[key]
+        tensor = load()
+        if tuple(tensor.shape) != shape:
+            bad_shapes.append(f"{key}: expected {shape}, got {tuple(tensor.shape)}")
+            bad_keys.add(key)
+            continue
+        seen.add(key)
+        loaded[name, layer] = tensor.T if transpose else tensor
     missing = sorted(set(expected) - seen - bad_keys)
     problems = []
     if bad_shapes:
@@ -118,7 +134,7 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
         problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:8])
                         + (" ..." if len(unexpected) > 8 else ""))
     if problems:
-        raise CheckpointError(f"checkpoint {str(folder)!r} does not match its config: "
+        raise CheckpointError(f"checkpoint {source!r} does not match its config: "
                               + " | ".join(problems))
     def place(array):  # on_host: numpy, for `jaxkv.shard` to send each device its part only
         return np.asarray(array, dtype=param_dtype) if on_host else \

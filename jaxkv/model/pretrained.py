@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.errors import CheckpointNotFoundError
+from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
 from jaxkv.model.loading import load_params
@@ -54,36 +54,87 @@ class Model:
 
 def _dtype(name):
     if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
 
 
-def load_pretrained(path: str | Path, *, dtype: str = "float32", param_dtype: str | None = None,
-                    scan_layers: bool | None = None, on_host: bool = False) -> Model:
-    """Loads an HF checkpoint folder (config.json + safetensors [+ tokenizer]).
+def _auto_dtype(name: str, checkpoint_dtype: str | None) -> str:
+    """``dtype="auto"``: float32 on CPU (XLA:CPU has no fast bf16 matmul); on GPU/TPU the
+    checkpoint's own dtype when it is bf16 or fp32, else bfloat16 (fp16 and quantized GGUF
+    weights compute in bf16)."""
+    if name != "auto":
+        return name
+    import jax
 
+    if jax.default_backend() == "cpu":
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16") else "bfloat16"
+
+
+def _hf_dtype(folder: Path) -> str | None:
+    import json
+
+    hf = json.loads((folder / "config.json").read_text())
+    return str(hf.get("dtype") or hf.get("torch_dtype") or "") or None
+
+
+def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str | None = None,
+                    scan_layers: bool | None = None, on_host: bool = False) -> Model:
+    """Loads a checkpoint: an HF folder (config.json + safetensors [+ tokenizer]), a ``.gguf``
+    file (llama.cpp's format, quantized or not), or a folder holding one ``.gguf`` file.
+
+    ``dtype`` is the compute dtype ("auto": float32 on CPU, the checkpoint's bf16/fp32 on
+    GPU/TPU); ``param_dtype`` (default: ``dtype``) is the stored weights' dtype.
     ``scan_layers`` (default: True except on CPU) picks the layer layout; see DecoderLayers.
     ``on_host`` leaves the weights in host memory for `jaxkv.shard` to split over devices (a
     model that does not fit one device never lands whole on one).
     """
-    folder = Path(path)
-    if not folder.is_dir():
+    from jaxkv.model import gguf
+
+    path = Path(path)
+    if not path.exists():
         raise CheckpointNotFoundError(
-            f"load_pretrained: checkpoint folder {str(folder)!r} not found")
-    config = ModelConfig.from_hf(folder)
-    compute = _dtype(dtype)
-    module = load_params(folder, config, dtype=compute,
+            f"load_pretrained: no such file or folder {str(path)!r}")
+    if path.is_file():
+        if not gguf.is_gguf(path):
+            raise CheckpointError(
+                f"load_pretrained: {str(path)!r} is a file but not a GGUF checkpoint; pass a "
+                f".gguf file or a checkpoint folder (config.json + safetensors)")
+        return _load_gguf(path, dtype, param_dtype, scan_layers, on_host)
+    if not (path / "config.json").is_file():
+        found = gguf.find_gguf(path)
+        if found is not None:
+            return _load_gguf(found, dtype, param_dtype, scan_layers, on_host)
+        raise CheckpointNotFoundError(
+            f"load_pretrained: folder {str(path)!r} has no config.json (nor a .gguf file)")
+    config = ModelConfig.from_hf(path)
+    compute = _dtype(_auto_dtype(dtype, _hf_dtype(path)))
+    module = load_params(path, config, dtype=compute,
                          param_dtype=_dtype(param_dtype) if param_dtype else compute,
                          scan_layers=scan_layers, on_host=on_host)
     tokenizer = None
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return Model.from_module(module, tokenizer, str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return Model.from_module(module, tokenizer, str(path))
 
 
-def load_default(*, dtype: str = "float32") -> Model:
+def _load_gguf(path: Path, dtype, param_dtype, scan_layers, on_host) -> Model:
+    from jaxkv.model.gguf import GGUFCheckpoint
+    from jaxkv.model.loading import load_tensors
+
+    ckpt = GGUFCheckpoint(path)
+    kinds = {t.tensor_type.name for t in ckpt.tensors.values()}
+    stored = "float32" if kinds <= {"F32"} else "bfloat16" if "BF16" in kinds else None
+    compute = _dtype(_auto_dtype(dtype, stored))
+    module = load_tensors(ckpt.hf_tensors(), str(path), ckpt.config, dtype=compute,
+                          param_dtype=_dtype(param_dtype) if param_dtype else compute,
+                          scan_layers=scan_layers, on_host=on_host)
+    return Model.from_module(module, ckpt.tokenizer(), str(path))
+
+
+def load_default(*, dtype: str = "auto") -> Model:
     """The embedded tiny model shipped inside the package (see its model card)."""
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise FileNotFoundError(

@@ -1,0 +1,238 @@
+"""GGUF checkpoints (the files llama.cpp and Ollama hold models in), read without torch.
+
+A GGUF file carries everything a checkpoint folder does: hyperparameters in its metadata
+(``{arch}.block_count``, ``{arch}.attention.head_count``, ...), the tokenizer and chat template
+(``tokenizer.ggml.*``, ``tokenizer.chat_template``) and the tensors, often block-quantized.
+Here the metadata becomes a `ModelConfig`, each tensor is dequantized to float32 with the
+``gguf`` package and renamed to its Hugging Face name, so `loading.load_tensors` checks and
+places it exactly as it does a safetensors checkpoint.
+
+llama.cpp's converter permutes the q and k projections of Llama and Mistral models (its RoPE
+rotates interleaved pairs, HF's rotates halves); `_unpermute` undoes that, as transformers'
+own GGUF loader does. Qwen2 and Qwen3 tensors are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.errors import CheckpointError, UnsupportedModelError
+from jaxkv.model.config import ModelConfig, RopeScaling
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Tensor types dequantized here (gguf.quants implements each of them in numpy).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                   "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+MAGIC = b"GGUF"
+
+_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                   "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# Llama 3.x files store their RoPE scaling only as per-frequency divisors (`rope_freqs.weight`).
+# They are matched against Llama 3's rule with its published frequency factors (low 1, high 4)
+# over a grid of factors and original contexts (Llama 3.1: factor 8, 3.2: factor 32, both at
+# an original context of 8192).
+_LLAMA3_SCALINGS = tuple(RopeScaling("llama3", float(f), 1.0, 4.0, 2 ** n)
+                         for n in range(16, 5, -1) for f in (8, 32, 16, 4, 2, 64))
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with the GGUF magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def find_gguf(folder: Path) -> Path | None:
+    """The one .gguf file in ``folder``, None if there is none; several are ambiguous."""
+    files = sorted(folder.glob("*.gguf"))
+    if len(files) > 1:
+        raise CheckpointError(
+            f"folder {str(folder)!r} holds {len(files)} GGUF files "
+            f"({', '.join(f.name for f in files)}); pass the path of one")
+    return files[0] if files else None
+
+
+class GGUFCheckpoint:
+    """One open GGUF file: its config, its tensors under HF names, its tokenizer."""
+
+    def __init__(self, path: str | Path):
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{str(self.path)!r} is not a readable GGUF file: {e}") from e
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._config()
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _config(self) -> ModelConfig:
+        arch = self.field("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF {str(self.path)!r}: general.architecture {arch!r} is not supported; "
+                f"jaxkv implements {ARCHITECTURES}")
+
+        def need(key):
+            value = self.field(f"{arch}.{key}")
+            if value is None:
+                raise CheckpointError(f"GGUF {str(self.path)!r}: metadata {arch}.{key} missing")
+            return value
+
+        heads = int(need("attention.head_count"))
+        hidden = int(need("embedding_length"))
+        head_dim = int(self.field(f"{arch}.attention.key_length", hidden // heads))
+        rotary = int(self.field(f"{arch}.rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            raise UnsupportedModelError(
+                f"GGUF {str(self.path)!r}: {arch}.rope.dimension_count {rotary} != head_dim "
+                f"{head_dim} (partial rotary embeddings are not supported)")
+        tokens = self.field("tokenizer.ggml.tokens")
+        vocab = int(self.field(f"{arch}.vocab_size", len(tokens) if tokens else 0))
+        theta = float(self.field(f"{arch}.rope.freq_base", 10000.0))
+        eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        window = self.field(f"{arch}.attention.sliding_window")
+        config = ModelConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_layers=int(need("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=theta,
+            max_position_embeddings=int(self.field(f"{arch}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+            sliding_window=int(window) if window and arch == "mistral" else None,
+            model_type=arch,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+        )
+        return dataclasses.replace(config, rope_scaling=self._rope_scaling(arch, config))
+
+    def _rope_scaling(self, arch: str, config: ModelConfig) -> RopeScaling | None:
+        kind = self.field(f"{arch}.rope.scaling.type")
+        if kind == "linear":
+            return RopeScaling("linear", float(self.field(f"{arch}.rope.scaling.factor")))
+        if kind not in (None, "none"):
+            raise UnsupportedModelError(
+                f"GGUF {str(self.path)!r}: {arch}.rope.scaling.type {kind!r} is not supported")
+        if "rope_freqs.weight" not in self.tensors:
+            return None
+        from jaxkv.model.rope import inverse_frequencies
+
+        divisors = self._array("rope_freqs.weight")
+        plain = inverse_frequencies(config)
+        for scaling in _LLAMA3_SCALINGS:
+            scaled = inverse_frequencies(dataclasses.replace(config, rope_scaling=scaling))
+            if np.allclose(plain / scaled, divisors, rtol=1e-4, atol=0):
+                return scaling
+        raise UnsupportedModelError(
+            f"GGUF {str(self.path)!r}: tensor rope_freqs.weight matches no Llama-3 RoPE scaling "
+            "(factors 2-64, low/high frequency factors 1/4, original context 64-65536)")
+
+    def _array(self, name: str) -> np.ndarray:
+        """A tensor dequantized to float32, in numpy's (row-major, HF) axis order."""
+        from gguf import quants
+
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF {str(self.path)!r}: tensor {name!r} has type {kind}, which jaxkv does not "
+                f"dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
+        shape = tuple(int(n) for n in reversed(t.shape))
+        return np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+
+    def hf_tensors(self) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+        """(HF tensor name, loader) for every tensor; unknown names keep their GGUF name, so
+        the checkpoint check reports them as unexpected."""
+        c = self.config
+        permuted = c.model_type in ("llama", "mistral")
+        for name in self.tensors:
+            if name == "rope_freqs.weight":
+                continue  # read into the config's rope_scaling
+            if name in _GLOBAL_TENSORS:
+                yield _GLOBAL_TENSORS[name], lambda name=name: self._array(name)
+                continue
+            m = _BLOCK.fullmatch(name)
+            if m is None or m.group(2) not in _LAYER_TENSORS:
+                yield name, lambda name=name: self._array(name)
+                continue
+            key = f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+            heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(
+                m.group(2).split(".")[0]) if permuted else None
+            if heads is None:
+                yield key, lambda name=name: self._array(name)
+            else:
+                yield key, lambda name=name, heads=heads: _unpermute(self._array(name), heads)
+
+    def tokenizer(self):
+        """The fast tokenizer this file's metadata describes (vocabulary, merges, special
+        tokens, chat template), or None if it has none. Built by transformers' own GGUF
+        tokenizer converters from metadata read here, so torch is never imported; the result
+        encodes like ``AutoTokenizer.from_pretrained(folder, gguf_file=name)``."""
+        if self.field("tokenizer.ggml.tokens") is None:
+            return None
+        try:
+            from transformers import PreTrainedTokenizerFast
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
+        except ImportError:  # another transformers layout: let it read the file itself
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(self.path.parent),
+                                                 gguf_file=self.path.name)
+        groups = {group: {name: self.field(f"tokenizer.{key}")
+                          for key, name in renames.items()
+                          if self.field(f"tokenizer.{key}") is not None}
+                  for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+        spec, init = groups["tokenizer"], groups["tokenizer_config"]
+        if spec.get("tokenizer_type") == "llama":  # llama.cpp's default for sentencepiece
+            init.setdefault("add_bos_token", True)
+        for name in ("bos", "eos", "unk", "pad"):
+            key = "unknown" if name == "unk" else "padding" if name == "pad" else name
+            token_id = self.field(f"tokenizer.ggml.{key}_token_id")
+            init[f"{name}_token"] = spec["tokens"][token_id] if token_id is not None else None
+        backend, extra = convert_gguf_tokenizer(self.field("general.architecture"), spec)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **init, **extra)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF's halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,166 @@
+"""GGUF files written from tiny random HF models, laid out as llama.cpp's converter writes them.
+
+`write_gguf` stores every 2-D weight whose rows divide into blocks as ``tensor_type`` (norms,
+biases and odd shapes stay F32, as llama.cpp keeps them), permutes the q/k projections of
+Llama/Mistral models the way llama.cpp does, and can embed a byte-level BPE tokenizer with a
+chat template. The `gguf` package quantizes F16 ... Q5_1 itself; it has no quantizer for the
+K-quants, so their blocks are random bytes whose f16 scales are set for weights of std ~0.05
+(a dequantizer is tested by any bytes: jaxkv and transformers must read the same numbers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+# K-quant block layouts: the byte offsets of the f16 scale(s) inside one 256-value block.
+_K_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation (convert_hf_to_gguf.py's `permute`), written independently
+    of jaxkv's inverse."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def _random_k_blocks(rows: int, cols: int, kind, seed: int) -> np.ndarray:
+    size, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+    for off in _K_SCALES[kind]:
+        raw[..., off:off + 2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    unit = gguf.quants.dequantize(raw.reshape(rows, -1), kind)
+    scale = np.float16(0.05 / max(float(unit.std()), 1e-6))
+    for off in _K_SCALES[kind]:
+        raw[..., off:off + 2] = np.frombuffer(scale.tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _encode(array: np.ndarray, kind, seed: int):
+    """(data, raw_dtype) for GGUFWriter.add_tensor, or None to keep the tensor F32."""
+    if kind == Q.F32 or array.ndim != 2:
+        return None
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    if array.shape[1] % block:
+        return None
+    if kind in _K_SCALES:
+        return _random_k_blocks(*array.shape, kind, seed), kind
+    return gguf.quants.quantize(array.astype(np.float32), kind), kind
+
+
+def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
+               chat_template: str | None = None, architecture: str | None = None,
+               extra_tensors: dict | None = None) -> Path:
+    """Writes ``hf_model`` (a transformers causal LM) as one GGUF file at ``path``.
+
+    ``tensor_type``: one type name for every weight, or a list of names given in turn to the
+    weights that can take them. ``extra_tensors`` ({gguf name: (data, type)}) adds tensors or
+    replaces the model's own, written as given."""
+    path = Path(path)
+    c = hf_model.config
+    arch = architecture or c.model_type
+    kinds = [Q[t] for t in ([tensor_type] if isinstance(tensor_type, str) else tensor_type)]
+    kind = kinds[0]
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = getattr(c, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(1 if kind == Q.F16 else 0)
+    if getattr(c, "sliding_window", None) and arch == "mistral":
+        w.add_sliding_window(c.sliding_window)
+    if tokenizer is not None:
+        _add_tokenizer(w, tokenizer, chat_template)
+    permute = arch in ("llama", "mistral")
+    seed = 0
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.detach().float().numpy()
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{_LAYER[rest]}"
+            if permute and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                array = llama_cpp_permute(array, heads if "q_proj" in rest else kv_heads)
+        if gname in (extra_tensors or {}):
+            continue
+        encoded = _encode(array, kinds[seed % len(kinds)], seed)
+        seed += encoded is not None
+        if encoded is None:
+            w.add_tensor(gname, np.ascontiguousarray(array, np.float32))
+        else:
+            data, raw = encoded
+            w.add_tensor(gname, data) if raw == Q.F16 else w.add_tensor(gname, data, raw_dtype=raw)
+    for gname, (data, raw) in (extra_tensors or {}).items():
+        w.add_tensor(gname, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_tokenizer(w, tokenizer_dir: Path, chat_template: str | None) -> None:
+    """A byte-level BPE tokenizer (an HF tokenizer.json folder) as llama.cpp's "gpt2" model."""
+    spec = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    config = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    ids = {token: i for i, token in enumerate(tokens)}
+    for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id),
+                     ("unk_token", w.add_unk_token_id), ("pad_token", w.add_pad_token_id)):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token in ids:
+            add(ids[token])
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
