@@ -1,11 +1,13 @@
 """The ``jaxkv`` command: ``jaxkv generate`` (text from a checkpoint, default: the embedded
-model), ``jaxkv chat`` (a multi-turn conversation with prefix-cache reuse) and ``jaxkv memory``
-(KV-cache sizing and capacity planning)."""
+model), ``jaxkv chat`` (a multi-turn conversation with prefix-cache reuse), ``jaxkv serve`` (an
+OpenAI-compatible HTTP server) and ``jaxkv memory`` (KV-cache sizing and capacity planning)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+import numpy as np
 
 from jaxkv.memory_cli import add_memory_parser
 
@@ -18,17 +20,19 @@ DEMO_PROMPTS = (
 
 
 CHAT_TURNS = (
-    "Write a function that reads a file.",
-    "Now make it skip blank lines.",
-    "Add a docstring.",
+    "What is the capital of France?",
+    "What is it famous for?",
+    "Suggest one thing to do there in the evening.",
 )
 
 
 def _add_chat_parser(subparsers) -> None:
     p = subparsers.add_parser("chat", help="a multi-turn chat showing prefix-cache reuse")
     p.add_argument("--model", default=None,
-                   help="HF checkpoint folder with a chat template (default: embedded model)")
+                   help="checkpoint with a chat template: HF folder, .gguf file, or 'smollm2' "
+                        "(default: embedded model)")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_chat)
@@ -41,8 +45,8 @@ def run_chat(args) -> int:
 
     model = (jaxkv.load_default() if args.model is None
              else jaxkv.load_pretrained(args.model))
-    sampling = jaxkv.SamplingParams(temperature=0.7, top_p=0.9, max_tokens=args.max_tokens,
-                                    seed=args.seed)
+    sampling = jaxkv.SamplingParams(temperature=args.temperature, top_p=0.9,
+                                    max_tokens=args.max_tokens, seed=args.seed)
     # A first pass compiles every program the conversation needs; the second is timed, on a
     # fresh engine (empty prefix cache) that reuses those programs.
     for _ in range(2):
@@ -62,14 +66,15 @@ def run_chat(args) -> int:
     print("\nFrom turn 2 on, the history comes from the prefix cache and only the rest is")
     print("computed. The match ends early where re-tokenizing a reply's text gives other tokens")
     print("than were sampled. 'pages cached' are held by the prefix cache alone (evictable).")
-    print(f"\nreproduce: jaxkv chat --max-tokens {args.max_tokens} --page-size {args.page_size} "
-          f"--seed {args.seed}")
+    model_arg = f"--model {args.model} " if args.model else ""
+    print(f"\nreproduce: jaxkv chat {model_arg}--max-tokens {args.max_tokens} --temperature "
+          f"{args.temperature} --page-size {args.page_size} --seed {args.seed}")
     return 0
 
 
 def _converse(llm, sampling):
     """Runs CHAT_TURNS through `llm.chat`; returns per-turn stats rows and the replies."""
-    history = [{"role": "system", "content": "You write short Python."}]
+    history = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."}]
     rows, replies = [], []
     for turn, message in enumerate(CHAT_TURNS, 1):
         history.append({"role": "user", "content": message})
@@ -86,7 +91,10 @@ def _converse(llm, sampling):
 def _add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text with the paged KV cache")
     p.add_argument("--model", default=None,
-                   help="HF checkpoint folder (default: the embedded tiny model)")
+                   help="HF checkpoint folder, .gguf file, or 'smollm2' (default: the "
+                        "embedded tiny model)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the chat template")
     p.add_argument("--prompt", action="append", default=None,
                    help="a prompt (repeatable; default: a few Python openings)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -95,7 +103,7 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.set_defaults(func=run_generate)
 
 
@@ -106,19 +114,30 @@ def run_generate(args) -> int:
     model = (jaxkv.load_default(dtype=args.dtype) if args.model is None
              else jaxkv.load_pretrained(args.model, dtype=args.dtype))
     prompts = list(args.prompt or DEMO_PROMPTS)
+    inputs = prompts
+    if args.chat:
+        if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
+            raise ValueError("--chat needs a model whose tokenizer has a chat template")
+        inputs = [model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+            return_dict=False) for p in prompts]
     sampling = jaxkv.SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                     top_k=args.top_k, max_tokens=args.max_tokens,
                                     seed=args.seed)
     # The first call compiles; time a second, identical call.
-    jaxkv.generate_with_stats(model, prompts, sampling, page_size=args.page_size)
-    outputs, stats = jaxkv.generate_with_stats(model, prompts, sampling,
+    jaxkv.generate_with_stats(model, inputs, sampling, page_size=args.page_size)
+    outputs, stats = jaxkv.generate_with_stats(model, inputs, sampling,
                                                page_size=args.page_size)
     name = args.model or "embedded tiny-llama"
-    print(f"model: {name} ({model.config.num_params():,} params, {args.dtype})\n")
+    print(f"model: {name} ({model.config.num_params():,} params, {np.dtype(model.dtype).name})"
+          "\n")
     for prompt, out in zip(prompts, outputs, strict=True):
         print("─" * 72)
         text = model.decode(out) if model.tokenizer is not None else str(out)
-        print(f"{prompt}\033[1m{text}\033[0m" if sys.stdout.isatty() else prompt + text)
+        if args.chat:
+            print(f"[user] {prompt}\n[assistant] {text.strip()}")
+        else:
+            print(f"{prompt}\033[1m{text}\033[0m" if sys.stdout.isatty() else prompt + text)
     print("─" * 72)
     c = model.config
     per_tok = stats.kv_bytes_per_token
@@ -139,9 +158,57 @@ def run_generate(args) -> int:
         print(f"  {label:<44} {tokens:>8,} tokens {tokens * per_tok / 2**20:>9.2f} MiB")
     print(f"  paged reserves {paged / filled:.2f}x what is used; contiguous "
           f"{contiguous / filled:.2f}x")
-    print(f"\nreproduce: jaxkv generate --max-tokens {args.max_tokens} --page-size "
+    model_arg = f"--model {args.model} " if args.model else ""
+    chat_arg = "--chat " + " ".join(f"--prompt {p!r}" for p in prompts) + " " if args.chat \
+        else ""
+    print(f"\nreproduce: jaxkv generate {model_arg}{chat_arg}--max-tokens {args.max_tokens} "
+          f"--page-size "
           f"{args.page_size} --temperature {args.temperature} --top-p {args.top_p} "
           f"--seed {args.seed}")
+    return 0
+
+
+def _add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF checkpoint folder, .gguf file, or 'smollm2' (default: the embedded "
+                        "tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model argument)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="unfinished requests accepted before answering 429")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip compiling every program before serving")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    """Loads the model, warms the engine up and serves until interrupted."""
+    import jaxkv
+    from jaxkv.server import serve
+
+    llm = jaxkv.LLM(args.model, dtype=args.dtype, page_size=args.page_size,
+                    num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_prefix_caching=not args.no_prefix_caching,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    data_parallel_size=args.data_parallel_size)
+    if not args.no_warmup:
+        llm.engine.warmup()
+    serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
+          host=args.host, port=args.port, max_pending=args.max_pending)
     return 0
 
 
@@ -150,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_chat_parser(sub)
+    _add_serve_parser(sub)
     add_memory_parser(sub)
     return parser
 

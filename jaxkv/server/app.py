@@ -1,0 +1,317 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (streaming or not),
+/v1/models, /health and /metrics.
+
+Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for
+bad input (naming the field), 429 when ``max_pending`` requests are unfinished, 500 when the
+engine failed a request (the server keeps serving the others). A client that disconnects
+aborts its request, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from jaxkv.server.async_engine import AsyncEngine, QueueFullError
+from jaxkv.server.metrics import ServerMetrics
+from jaxkv.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(
+        status, "InternalServerError")
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": kind, "param": param, "code": status}})
+
+
+def _bad_field(message: str) -> str | None:
+    """The field a ValueError names (``SamplingParams.temperature ...`` -> temperature)."""
+    for word in message.replace("=", " ").replace(":", " ").split():
+        if word.startswith("SamplingParams."):
+            return word.split(".", 1)[1]
+    return None
+
+
+def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
+    """The app serving ``llm`` (a `jaxkv.LLM`): one engine loop thread for all connections."""
+    engine, tokenizer = llm.engine, llm.model.tokenizer
+    metrics = ServerMetrics(model_name)
+    counter = itertools.count()
+
+    def scheduler_counts():
+        replicas = getattr(engine, "replicas", [engine])
+        return (sum(len(e.scheduler.running) for e in replicas),
+                sum(len(e.scheduler.waiting) for e in replicas))
+
+    def on_step(outputs, _seconds):
+        metrics.update(engine.stats(), *scheduler_counts())
+        for out in outputs:
+            if out.finished:
+                metrics.finished(out)
+
+    metrics.update(engine.stats(), 0, 0)
+    core = AsyncEngine(engine, max_pending=max_pending, on_step=on_step)
+    max_len = getattr(engine, "replicas", [engine])[0].max_model_len
+    app = FastAPI(title="jaxkv", version="0.1.0")
+    app.state.engine = core
+
+    @app.on_event("shutdown")
+    def _shutdown():
+        core.close()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        return _error(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _error(400, f"{loc}: {first.get('msg')}", loc or None)
+
+    def encode_prompt(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise APIError(400, "prompt: this model has no tokenizer; send token ids",
+                               "prompt")
+            return list(tokenizer.encode(prompt))
+        return list(prompt)
+
+    async def submit(ids: list[int], sp, request_id: str) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.to_thread(core.add, request_id, ids, sp, loop)
+        except QueueFullError as e:
+            raise APIError(429, str(e)) from e
+        except ValueError as e:
+            raise APIError(400, str(e), _bad_field(str(e))) from e
+
+    async def next_output(queue: asyncio.Queue, http: Request, request_id: str):
+        """The request's next output; aborts it (and raises) if the client went away."""
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    core.abort(request_id)
+                    raise asyncio.CancelledError(f"client of {request_id} disconnected") from None
+                continue
+            if isinstance(item, Exception):
+                raise APIError(500, str(item))
+            if item.error is not None:
+                raise APIError(500, f"the engine failed request {request_id}: {item.error}")
+            return item
+
+    def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def sampling(body, max_tokens, logprobs, prompt_len):
+        if max_tokens is None:
+            max_tokens = max(1, max_len - prompt_len)
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), _bad_field(str(e))) from e
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def completion_logprobs(choice) -> dict | None:
+        if choice.logprobs is None:
+            return None
+        tokens, lps, tops = [], [], []
+        for token_id, entry in zip(choice.token_ids, choice.logprobs, strict=False):
+            tokens.append(token_text(token_id))
+            lps.append(entry[token_id].logprob)
+            tops.append({token_text(t): lp.logprob for t, lp in entry.items()})
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+                "text_offset": list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))}
+
+    def chat_logprobs(choice, top: int) -> dict | None:
+        if choice.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(choice.token_ids, choice.logprobs, strict=False):
+            text = token_text(token_id)
+            others = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+            content.append({"token": text, "logprob": entry[token_id].logprob,
+                            "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": token_text(t), "logprob": lp.logprob,
+                                              "bytes": list(token_text(t).encode())}
+                                             for t, lp in others]})
+        return {"content": content}
+
+    def sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def stream(http, queue, request_id, chunk, final_usage):
+        """Server-sent events: ``chunk(output)`` per output, then usage and [DONE]."""
+        finished = False
+        try:
+            while not finished:
+                out = await next_output(queue, http, request_id)
+                finished = out.finished
+                for payload in chunk(out):
+                    yield sse(payload)
+            usage_payload = final_usage()
+            if usage_payload is not None:
+                yield sse(usage_payload)
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield sse({"error": {"message": e.message, "type": "InternalServerError",
+                                 "param": e.param, "code": e.status}})
+        finally:
+            if not finished:
+                core.abort(request_id)  # the client went away mid-stream
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": 0, "owned_by": "jaxkv",
+                                            "max_model_len": max_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def check_model(body):
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                           f"{model_name!r}", "model")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        check_model(body)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts or any(not p for p in prompts):
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if body.stream and len(prompts) > 1:
+            raise APIError(400, "prompt: streaming takes one prompt", "prompt")
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        ids_list = [encode_prompt(p) for p in prompts]
+        created, base = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        sps = [sampling(body, body.max_tokens, body.logprobs, len(ids)) for ids in ids_list]
+        request_ids = [f"{base}-{i}-{next(counter)}" for i in range(len(prompts))]
+        queues = []
+        for ids, sp, rid in zip(ids_list, sps, request_ids, strict=True):
+            queues.append(await submit(ids, sp, rid))
+        head = {"id": base, "object": "text_completion", "created": created,
+                "model": model_name}
+        if body.stream:
+            state = {"completion": 0, "cached": 0}
+
+            def chunk(out):
+                state["cached"] = out.num_cached_tokens
+                for c in out.outputs:
+                    state["completion"] += len(c.token_ids)
+                    yield {**head, "choices": [{"index": c.index, "text": c.text,
+                                                "logprobs": completion_logprobs(c),
+                                                "finish_reason": c.finish_reason}]}
+
+            def final_usage():
+                if not (body.stream_options and body.stream_options.include_usage):
+                    return None
+                return {**head, "choices": [],
+                        "usage": usage(len(ids_list[0]), state["completion"], state["cached"])}
+
+            return StreamingResponse(stream(http, queues[0], request_ids[0], chunk, final_usage),
+                                     media_type="text/event-stream")
+        outs = [await next_output(q, http, rid) for q, rid in zip(queues, request_ids,
+                                                                   strict=True)]
+        choices, completion = [], 0
+        for p, out in enumerate(outs):
+            for c in out.outputs:
+                completion += len(c.token_ids)
+                choices.append({"index": p * body.n + c.index, "text": c.text,
+                                "logprobs": completion_logprobs(c),
+                                "finish_reason": c.finish_reason})
+        return {**head, "choices": choices,
+                "usage": usage(sum(len(i) for i in ids_list), completion,
+                               sum(o.num_cached_tokens for o in outs))}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: Request):
+        check_model(body)
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template", "messages")
+        try:
+            conv = [{"role": m.role, "content": message_text(m, i)}
+                    for i, m in enumerate(body.messages)]
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from e
+        ids = list(tokenizer.apply_chat_template(conv, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False))
+        top = body.top_logprobs or 0
+        logprobs = top if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        sp = sampling(body, max_tokens, logprobs, len(ids))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        queue = await submit(ids, sp, request_id)
+        head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": model_name}
+        if body.stream:
+            state = {"completion": 0, "cached": 0, "started": set()}
+            chunk_head = {**head, "object": "chat.completion.chunk"}
+
+            def chunk(out):
+                state["cached"] = out.num_cached_tokens
+                for c in out.outputs:
+                    state["completion"] += len(c.token_ids)
+                    delta = {"content": c.text}
+                    if c.index not in state["started"]:
+                        state["started"].add(c.index)
+                        delta["role"] = "assistant"
+                    yield {**chunk_head, "choices": [{"index": c.index, "delta": delta,
+                                                      "logprobs": chat_logprobs(c, top),
+                                                      "finish_reason": c.finish_reason}]}
+
+            def final_usage():
+                if not (body.stream_options and body.stream_options.include_usage):
+                    return None
+                return {**chunk_head, "choices": [],
+                        "usage": usage(len(ids), state["completion"], state["cached"])}
+
+            return StreamingResponse(stream(http, queue, request_id, chunk, final_usage),
+                                     media_type="text/event-stream")
+        out = await next_output(queue, http, request_id)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, top), "finish_reason": c.finish_reason}
+                   for c in out.outputs]
+        return {**head, "choices": choices,
+                "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs),
+                               out.num_cached_tokens)}
+
+    return app
+
+
+def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_pending: int = 256) -> None:
+    """Runs the server until interrupted."""
+    import uvicorn
+
+    uvicorn.run(build_app(llm, model_name=model_name, max_pending=max_pending), host=host,
+                port=port, log_level="info")

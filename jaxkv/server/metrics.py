@@ -1,0 +1,82 @@
+"""Prometheus metrics of a server, in a registry of its own (vLLM-style names, ``jaxkv:``).
+
+Token and cache counters follow `EngineStats` (updated after every step from its deltas);
+latency histograms are observed when a request finishes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self._labels = {"model_name": model_name}
+
+        def counter(name, doc):
+            return Counter(f"jaxkv:{name}", doc, labels, registry=r).labels(**self._labels)
+
+        def gauge(name, doc):
+            return Gauge(f"jaxkv:{name}", doc, labels, registry=r).labels(**self._labels)
+
+        def histogram(name, doc):
+            return Histogram(f"jaxkv:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
+                             registry=r).labels(**self._labels)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests added.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens served by the prefix cache at admission.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (KV recomputed).")
+        self.requests = Counter("jaxkv:request_success", "Requests finished, by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.running = gauge("num_requests_running", "Requests holding KV pages.")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for admission.")
+        self.pages_used = gauge("kv_pages_used", "KV pages held by unfinished requests.")
+        self.pages_cached = gauge("kv_pages_cached",
+                                  "KV pages held only by the prefix cache (evictable).")
+        self.pages_free = gauge("kv_pages_free", "KV pages free.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time per output token after the first.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self._last = None
+
+    def update(self, stats, running: int, waiting: int) -> None:
+        """Moves the counters by what `stats` (an EngineStats) gained since the last call."""
+        last = self._last
+        if last is not None:
+            self.prompt_tokens.inc(stats.prompt_tokens - last.prompt_tokens)
+            self.generation_tokens.inc(stats.generated_tokens - last.generated_tokens)
+            queried = (stats.cached_prompt_tokens + stats.computed_prompt_tokens
+                       - last.cached_prompt_tokens - last.computed_prompt_tokens)
+            self.prefix_cache_queries.inc(queried)
+            self.prefix_cache_hits.inc(stats.cached_prompt_tokens - last.cached_prompt_tokens)
+            self.preemptions.inc(stats.preemptions - last.preemptions)
+        self._last = stats
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.pages_used.set(stats.kv_pages_used)
+        self.pages_cached.set(stats.kv_pages_cached)
+        self.pages_free.set(stats.kv_pages_free)
+
+    def finished(self, output) -> None:
+        """Observes a finished RequestOutput's latencies."""
+        m = output.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.finish_time is not None:
+            self.e2e.observe(m.finish_time - m.arrival_time)
+        reason = output.outputs[0].finish_reason if output.outputs else "error"
+        self.requests.labels(finished_reason=reason or "unknown", **self._labels).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

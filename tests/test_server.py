@@ -1,0 +1,308 @@
+"""`jaxkv serve`: the real server (uvicorn on 127.0.0.1) talked to with the official `openai`
+client and raw HTTP. The oracle for every text is the offline `LLM` on the same model and
+sampling parameters."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import jaxkv
+from jaxkv.server import build_app
+
+MODEL = "tiny-llama"
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:", "for i in range("]
+SYSTEM = ("You are a careful assistant who writes short Python functions with docstrings, "
+          "type hints and no external dependencies. ") * 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, llm, max_pending=256):
+        self.llm = llm
+        self.app = build_app(llm, model_name=MODEL, max_pending=max_pending)
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                                    timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r'^(jaxkv:[a-z_]+)\{model_name="[^"]*"\} ([0-9.e+-]+)$', line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = jaxkv.load_default()
+    s = Server(jaxkv.LLM(model, max_model_len=256, num_pages=128, max_num_seqs=8))
+    s.oracle = jaxkv.LLM(model, max_model_len=256, num_pages=128)  # its own engine
+    yield s
+    s.close()
+
+
+def offline(llm, prompt=None, ids=None, **sp):
+    params = jaxkv.SamplingParams(**sp)
+    if ids is not None:
+        return llm.generate(prompt_token_ids=[ids], sampling_params=params,
+                            use_tqdm=False)[0].outputs[0].text
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
+def chat_ids(llm, messages):
+    return list(llm.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False))
+
+
+def test_models_and_health(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_offline_generation(server):
+    r = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24,
+                                         temperature=0)
+    assert r.choices[0].text == offline(server.oracle, PROMPTS[0], max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    n_prompt = len(server.llm.model.encode(PROMPTS[0]))
+    assert r.usage.prompt_tokens == n_prompt
+    assert 0 < r.usage.completion_tokens <= 24
+
+
+def test_streamed_completion_equals_the_whole_one(server):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0.8, seed=7)
+    whole = server.client.completions.create(**kwargs)
+    chunks = list(server.client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text == offline(server.oracle, PROMPTS[1], max_tokens=20,
+                                                    temperature=0.8, seed=7)
+    assert len([c for c in chunks if c.choices]) > 1  # really streamed
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_streaming_and_not(server):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Write a function that adds two numbers."}]
+    expected = offline(server.oracle, ids=chat_ids(server.oracle, messages), max_tokens=24,
+                       temperature=0)
+    r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                              temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages,
+                                                        max_tokens=24, temperature=0,
+                                                        stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+def test_n_and_logprobs(server):
+    r = server.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, n=2,
+                                         temperature=1.0, seed=3, logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) > 0
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=3)
+    first = chat.choices[0].logprobs.content[0]
+    assert len(first.top_logprobs) == 3
+    assert first.logprob == pytest.approx(max(t.logprob for t in first.top_logprobs), abs=1e-5)
+
+
+def test_concurrent_requests_from_threads(server):
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        r = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                             temperature=0)
+        return prompt, r.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(12)))
+    for prompt, text in results:
+        assert text == offline(server.oracle, prompt, max_tokens=16, temperature=0)
+
+
+def test_metrics_count_tokens_and_prefix_cache_hits(server):
+    before = server.metrics()
+    completion = 0
+    for question in ("Write a sort.", "Write a search."):
+        r = server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": SYSTEM},
+                                   {"role": "user", "content": question}],
+            max_tokens=8, temperature=0)
+        completion += r.usage.completion_tokens
+        cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32  # the second request found the long system prompt cached
+    time.sleep(0.2)
+    after = server.metrics()
+    assert after["jaxkv:generation_tokens_total"] - before["jaxkv:generation_tokens_total"] \
+        == completion
+    assert after["jaxkv:prefix_cache_hits_total"] - before["jaxkv:prefix_cache_hits_total"] \
+        >= cached
+    assert after["jaxkv:time_to_first_token_seconds_count"] > \
+        before.get("jaxkv:time_to_first_token_seconds_count", 0)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n="two"), "n"),
+])
+def test_bad_input_is_a_400_naming_the_field(server, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="x", **kwargs)
+    assert field in str(e.value)
+    # and the server keeps serving
+    assert server.client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                            temperature=0).choices[0].text is not None
+
+
+def test_unknown_model_is_a_404(server):
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        server.client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def _wait_idle(server, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["jaxkv:num_requests_running"] == 0 and m["jaxkv:kv_pages_used"] == 0 \
+                and server.app.state.engine.num_pending == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"server not idle: {server.metrics()}")
+
+
+def test_a_client_that_disconnects_frees_its_pages(server):
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    before = server.llm.engine.stats().generated_tokens
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert server.metrics()["jaxkv:kv_pages_used"] > 0
+    # the client closed the connection after its first chunk
+    _wait_idle(server)
+    assert server.llm.engine.stats().kv_pages_used == 0
+    assert server.llm.engine.stats().generated_tokens - before < 240  # aborted, not finished
+
+
+def _wrapped_steps(engine, wrap):
+    """The engine's step programs with ``wrap`` around both (Steps is a NamedTuple)."""
+    return engine.steps._replace(step=wrap(engine.steps.step),
+                                 decode_loop=wrap(engine.steps.decode_loop))
+
+
+def test_an_engine_error_fails_that_request_and_the_server_keeps_serving(server, monkeypatch):
+    engine = server.llm.engine
+    calls = {"n": 0}
+
+    def failing_once(fn):
+        def run(*args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected device failure")
+            return fn(*args)
+        return run
+
+    real = engine.steps
+    monkeypatch.setattr(engine, "steps", _wrapped_steps(engine, failing_once))
+    with pytest.raises(openai.InternalServerError, match="injected device failure"):
+        server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
+                                         temperature=0)
+    monkeypatch.setattr(engine, "steps", real)
+    r = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                         temperature=0)
+    assert r.choices[0].text == offline(server.oracle, PROMPTS[0], max_tokens=8,
+                                        temperature=0)
+    _wait_idle(server)
+
+
+def test_a_full_queue_answers_429():
+    llm = jaxkv.LLM(None, max_model_len=256, num_pages=64, max_num_seqs=2)
+
+    def slow(fn):  # a slow device: the first request is surely unfinished when the next comes
+        def run(*args):
+            time.sleep(0.2)
+            return fn(*args)
+        return run
+
+    llm.engine.steps = _wrapped_steps(llm.engine, slow)
+    s = Server(llm, max_pending=1)
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()  # held: a dropped iterator closes the stream
+            first = next(lines)
+            assert "error" not in first, first
+            second = httpx.post(f"{s.url}/v1/completions", json={**body, "stream": False},
+                                timeout=60)
+            assert second.status_code == 429, second.text[:300]
+            assert "max_pending=1" in second.json()["error"]["message"]
+        _wait_idle(s)  # the first one's client left: aborted, its pages back
+    finally:
+        s.close()
+
+
+def test_jaxkv_serve_command_serves(tmp_path):
+    """The installed command: `jaxkv serve` in its own process answers over HTTP."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port),
+                             "--max-model-len", "128", "--num-pages", "32", "--no-warmup"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "jaxkv serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        r = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4,
+                                      temperature=0)
+        assert r.usage.completion_tokens == 4 or r.choices[0].finish_reason == "stop"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
