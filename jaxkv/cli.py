@@ -5,6 +5,7 @@ OpenAI-compatible HTTP server) and ``jaxkv memory`` (KV-cache sizing and capacit
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import numpy as np
@@ -52,8 +53,6 @@ def run_chat(args) -> int:
     for _ in range(2):
         llm = jaxkv.LLM(model, page_size=args.page_size, seed=args.seed)
         rows, replies = _converse(llm, sampling)
-    print(f"multi-turn chat, page_size {args.page_size} "
-          f"({llm.stats().kv_pages_total} KV pages in the pool)\n")
     for message, reply in zip(CHAT_TURNS, replies, strict=True):
         print(f"[user] {message}\n[assistant] {reply.strip()[:160]}\n")
     print(f"multi-turn chat, page_size {args.page_size} "
@@ -74,7 +73,7 @@ def run_chat(args) -> int:
 
 def _converse(llm, sampling):
     """Runs CHAT_TURNS through `llm.chat`; returns per-turn stats rows and the replies."""
-    history = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."}]
+    history = []
     rows, replies = [], []
     for turn, message in enumerate(CHAT_TURNS, 1):
         history.append({"role": "user", "content": message})
@@ -222,8 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_to_stderr() -> None:
+    """jaxkv's INFO lines (the KV pool, the server) on stderr, once."""
+    log = logging.getLogger("jaxkv")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

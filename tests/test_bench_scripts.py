@@ -42,3 +42,17 @@ def test_profile_runtime_attention_part(capsys):
     out = capsys.readouterr().out
     assert "reference attention" in out and "page-major pool" in out
     assert "reproduce: python scripts/profile_runtime.py --parts attention" in out
+
+
+def test_bench_serve_small_run(capsys, tmp_path):
+    """Clients against the in-process server and the offline column, on the embedded model."""
+    from jaxkv.model.pretrained import DEFAULT_MODEL_DIR
+
+    assert _load("bench_serve").main(["--model", str(DEFAULT_MODEL_DIR), "--num-prompts", "3",
+                                      "--concurrency", "2", "--input-len", "8",
+                                      "--output-len", "4", "--no-warmup",
+                                      "--out", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("serve,", "offline"))]
+    assert len(rows) == 2 and all(r[-7] == "3" for r in rows)  # 3 requests each
+    assert (tmp_path / "s.png").exists()

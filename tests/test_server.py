@@ -36,8 +36,9 @@ class Server:
         self.app = build_app(llm, model_name=MODEL, max_pending=max_pending)
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
+        # log_config=None: uvicorn's dictConfig would close pytest's logging handlers
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
+                                                    log_level="warning", log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 60

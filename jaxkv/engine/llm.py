@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,13 +13,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxkv.engine.engine import Engine
+from jaxkv.engine.kv_budget import kv_budget
 from jaxkv.engine.replicas import ReplicatedEngine
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.model.pretrained import Model, load_default, load_pretrained
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh
 
-DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 2**20
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.9
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_token(model: Model) -> int:
@@ -30,9 +33,16 @@ def kv_bytes_per_token(model: Model) -> int:
 class LLM:
     """A model plus an Engine; ``generate`` and ``chat`` run prompts to completion.
 
-    ``model``: None (the embedded tiny model), a checkpoint folder, or a `jaxkv.Model` (then
-    ``dtype`` is unused). ``num_pages`` defaults to what ``kv_cache_memory_bytes`` holds (per
-    replica; with tensor parallelism each device holds 1/N of it).
+    ``model``: None (the embedded tiny model), a checkpoint folder, a ``.gguf`` file,
+    "smollm2", or a `jaxkv.Model` (then ``dtype`` is unused; "auto": float32 on CPU, the
+    checkpoint's bf16/fp32 on GPU/TPU).
+
+    The KV pool (per replica; with tensor parallelism each device holds 1/N of it): ``num_pages``
+    if given, else what ``kv_cache_memory_bytes`` holds, else ``kv_cache_memory_fraction`` of
+    the device's memory after the weights and the activations (on CPU: of the available RAM,
+    at most 2 GiB; see `jaxkv.engine.kv_budget`), capped at ``max_num_seqs`` full-length
+    sequences. ``max_model_len`` defaults to the model's context, or what the pool holds if
+    less. The pool is logged at INFO and kept in ``kv_pool``.
 
     ``tensor_parallel_size=N`` splits the model and its KV pages by head over N devices
     (`jaxkv.sharding`); ``data_parallel_size=M`` runs M such replicas on M * N devices behind
@@ -43,10 +53,11 @@ class LLM:
 
     def __init__(self, model: Model | str | Path | None = None, *, page_size: int = 16,
                  num_pages: int | None = None,
-                 kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+                 kv_cache_memory_bytes: int | None = None,
+                 kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION,
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 attention_impl: str = "auto", seed: int = 0, dtype: str = "float32",
+                 attention_impl: str = "auto", seed: int = 0, dtype: str = "auto",
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  max_decode_steps: int | None = None):
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -66,13 +77,36 @@ class LLM:
         elif not isinstance(model, Model):
             raise ValueError(f"model must be None, a checkpoint path or a jaxkv.Model, got "
                              f"{type(model).__name__}")
+        copies = max(1, tensor_parallel_size // model.config.num_kv_heads)
+        page_bytes = kv_bytes_per_token(model) * copies * page_size  # per replica
+        source = "num_pages"
         if num_pages is None:  # KV heads replicated for tensor parallelism count as stored
-            copies = max(1, tensor_parallel_size // model.config.num_kv_heads)
-            page_bytes = kv_bytes_per_token(model) * copies * page_size
-            num_pages = kv_cache_memory_bytes // page_bytes
+            if kv_cache_memory_bytes is None:
+                budget = kv_budget(model.config, fraction=kv_cache_memory_fraction,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs,
+                                   dtype_bytes=np.dtype(model.dtype).itemsize)
+                memory, source = budget.bytes, budget.source
+            else:
+                memory, source = kv_cache_memory_bytes, "kv_cache_memory_bytes"
+            num_pages = memory // page_bytes
             if num_pages < 1:
-                raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no page "
-                                 f"of {page_bytes} bytes")
+                raise ValueError(f"kv_cache_memory_bytes={memory} holds no page of "
+                                 f"{page_bytes} bytes")
+            if kv_cache_memory_bytes is None:  # never more than max_num_seqs full sequences
+                longest = max_model_len or model.config.max_position_embeddings
+                num_pages = min(num_pages, max_num_seqs * -(-longest // page_size) + 1)
+        if max_model_len is None:  # what the model and the pool allow
+            max_model_len = min(model.config.max_position_embeddings, num_pages * page_size)
+        self.kv_pool = {"pages": num_pages, "page_size": page_size,
+                        "tokens": num_pages * page_size, "bytes": num_pages * page_bytes,
+                        "max_model_len": max_model_len,
+                        "full_sequences": num_pages * page_size // max_model_len,
+                        "source": source}
+        logger.info("KV cache: %d pages x %d tokens = %d tokens, %.2f GiB per replica (%s); "
+                    "%d sequences of max_model_len %d fit at once", num_pages, page_size,
+                    num_pages * page_size, num_pages * page_bytes / 2**30, source,
+                    self.kv_pool["full_sequences"], max_model_len)
         self.model = model
         kwargs = dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
