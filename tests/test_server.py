@@ -49,7 +49,7 @@ class Server:
                                     timeout=120)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
+        text = httpx.get(f"{self.url}/metrics", timeout=60).text
         out = {}
         for line in text.splitlines():
             m = re.match(r'^(jaxkv:[a-z_]+)\{model_name="[^"]*"\} ([0-9.e+-]+)$', line)
@@ -85,7 +85,7 @@ def chat_ids(llm, messages):
 
 
 def test_models_and_health(server):
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
     assert [m.id for m in server.client.models.list().data] == [MODEL]
 
 
@@ -196,7 +196,7 @@ def test_unknown_model_is_a_404(server):
         server.client.completions.create(model="nope", prompt="x", max_tokens=2)
 
 
-def _wait_idle(server, timeout=30.0):
+def _wait_idle(server, timeout=120.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
         m = server.metrics()
