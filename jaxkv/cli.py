@@ -50,7 +50,9 @@ def run_chat(args) -> int:
                                     max_tokens=args.max_tokens, seed=args.seed)
     # A first pass compiles every program the conversation needs; the second is timed, on a
     # fresh engine (empty prefix cache) that reuses those programs.
+    llm = None
     for _ in range(2):
+        del llm  # the first pool goes before the second is sized
         llm = jaxkv.LLM(model, page_size=args.page_size, seed=args.seed)
         rows, replies = _converse(llm, sampling)
     for message, reply in zip(CHAT_TURNS, replies, strict=True):

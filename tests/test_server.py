@@ -185,7 +185,7 @@ def test_metrics_count_tokens_and_prefix_cache_hits(server):
 def test_bad_input_is_a_400_naming_the_field(server, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt="x", **kwargs)
-    assert field in str(e.value)
+    assert field in str(e.value) and e.value.param == field
     # and the server keeps serving
     assert server.client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                             temperature=0).choices[0].text is not None
@@ -307,3 +307,22 @@ def test_jaxkv_serve_command_serves(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_streamed_n2_ends_each_choice_once_and_equals_the_whole_one(server):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=10, n=2, temperature=1.0, seed=5)
+    whole = {c.index: c.text for c in server.client.completions.create(**kwargs).choices}
+    texts, ends = {0: "", 1: ""}, {0: 0, 1: 0}
+    for chunk in server.client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            ends[c.index] += c.finish_reason is not None
+    assert texts == whole and ends == {0: 1, 1: 1}
+
+
+def test_a_batch_of_prompts_with_a_bad_one_leaves_nothing_running(server):
+    too_long = list(range(3, 300))  # past max_model_len 256: refused after the first queued
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model=MODEL, prompt=[[5, 6, 7], too_long],
+                                         max_tokens=50, temperature=0)
+    _wait_idle(server)

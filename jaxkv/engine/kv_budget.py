@@ -72,7 +72,7 @@ def kv_budget(config, *, fraction: float, max_num_batched_tokens: int, max_num_s
         return KVBudget(size, f"min({fraction:g} x {avail / 2**30:.1f} GiB of available RAM, "
                               f"{CPU_KV_CACHE_BYTES / 2**30:g} GiB)")
     limit = stats["bytes_limit"]
-    used = max(stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0))
+    used = stats.get("bytes_in_use", 0)  # now: weights and other live engines' pools
     act = activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
     size = int(fraction * limit) - used - act
     if size <= 0:

@@ -26,6 +26,10 @@ from jaxkv.server.protocol import ChatCompletionRequest, CompletionRequest, mess
 _DISCONNECT_POLL_S = 0.25
 
 
+class ClientGone(Exception):
+    """The client of a request disconnected; its request was aborted."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -78,6 +82,10 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
     async def _api_error(_request, exc: APIError):
         return _error(exc.status, exc.message, exc.param)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_request, exc: ClientGone):
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):
         first = exc.errors()[0]
@@ -109,7 +117,7 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     core.abort(request_id)
-                    raise asyncio.CancelledError(f"client of {request_id} disconnected") from None
+                    raise ClientGone(request_id) from None
                 continue
             if isinstance(item, Exception):
                 raise APIError(500, str(item))
@@ -157,6 +165,16 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
                                               "bytes": list(token_text(t).encode())}
                                              for t, lp in others]})
         return {"content": content}
+
+    def fresh(out, state):
+        """The samples of a DELTA output with something new: a DELTA output lists every
+        sample, so a finished one would repeat its end, and one not yet started is empty."""
+        for c in out.outputs:
+            if c.index in state["ended"] or not (c.token_ids or c.finish_reason):
+                continue
+            if c.finish_reason is not None:
+                state["ended"].add(c.index)
+            yield c
 
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
@@ -217,16 +235,21 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
         sps = [sampling(body, body.max_tokens, body.logprobs, len(ids)) for ids in ids_list]
         request_ids = [f"{base}-{i}-{next(counter)}" for i in range(len(prompts))]
         queues = []
-        for ids, sp, rid in zip(ids_list, sps, request_ids, strict=True):
-            queues.append(await submit(ids, sp, rid))
+        try:
+            for ids, sp, rid in zip(ids_list, sps, request_ids, strict=True):
+                queues.append(await submit(ids, sp, rid))
+        except BaseException:
+            for rid in request_ids[:len(queues)]:
+                core.abort(rid)  # the prompts already queued go with the one refused
+            raise
         head = {"id": base, "object": "text_completion", "created": created,
                 "model": model_name}
         if body.stream:
-            state = {"completion": 0, "cached": 0}
+            state = {"completion": 0, "cached": 0, "ended": set()}
 
             def chunk(out):
                 state["cached"] = out.num_cached_tokens
-                for c in out.outputs:
+                for c in fresh(out, state):
                     state["completion"] += len(c.token_ids)
                     yield {**head, "choices": [{"index": c.index, "text": c.text,
                                                 "logprobs": completion_logprobs(c),
@@ -240,8 +263,13 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
 
             return StreamingResponse(stream(http, queues[0], request_ids[0], chunk, final_usage),
                                      media_type="text/event-stream")
-        outs = [await next_output(q, http, rid) for q, rid in zip(queues, request_ids,
-                                                                   strict=True)]
+        try:
+            outs = [await next_output(q, http, rid) for q, rid in zip(queues, request_ids,
+                                                                       strict=True)]
+        except BaseException:
+            for rid in request_ids:
+                core.abort(rid)  # a no-op for those already finished
+            raise
         choices, completion = [], 0
         for p, out in enumerate(outs):
             for c in out.outputs:
@@ -263,8 +291,12 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
                     for i, m in enumerate(body.messages)]
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
-        ids = list(tokenizer.apply_chat_template(conv, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False))
+        try:
+            ids = list(tokenizer.apply_chat_template(conv, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError and the template's own
+            raise APIError(400, f"messages: the chat template refused them: {e}",
+                           "messages") from e
         top = body.top_logprobs or 0
         logprobs = top if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -274,12 +306,12 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
-            state = {"completion": 0, "cached": 0, "started": set()}
+            state = {"completion": 0, "cached": 0, "started": set(), "ended": set()}
             chunk_head = {**head, "object": "chat.completion.chunk"}
 
             def chunk(out):
                 state["cached"] = out.num_cached_tokens
-                for c in out.outputs:
+                for c in fresh(out, state):
                     state["completion"] += len(c.token_ids)
                     delta = {"content": c.text}
                     if c.index not in state["started"]:

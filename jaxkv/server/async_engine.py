@@ -3,7 +3,8 @@
 The engine is not thread-safe: a lock guards it. The loop thread holds the lock for each
 `step` and hands each request's outputs to the asyncio queue of the connection that submitted
 it (``loop.call_soon_threadsafe``); handlers take the lock briefly, in a worker thread, to add
-or abort a request. A request that fails inside the engine arrives as an output with
+a request. An abort never waits: it is queued, and the loop carries it out before its next
+step. A request that fails inside the engine arrives as an output with
 ``error`` set; an exception escaping `step` itself fails every request in flight and the loop
 keeps serving.
 """
@@ -11,10 +12,14 @@ keeps serving.
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import threading
 import time
 
 from jaxkv.engine.request import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -30,7 +35,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
-        self._dirty = False  # an abort changed the engine outside a step
+        self._aborts: collections.deque[str] = collections.deque()
         self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
         self._thread.start()
 
@@ -58,15 +63,23 @@ class AsyncEngine:
         return queue
 
     def abort(self, request_id: str) -> None:
-        """Ends a request whose client went away, freeing its pages (any thread)."""
-        with self._lock:
-            if self._queues.pop(request_id, None) is not None:
-                try:
-                    self.engine.abort(request_id)
-                except ValueError:
-                    pass  # it finished in the meantime
-                self._dirty = True
+        """Ends a request whose client went away (any thread, never blocks): the engine
+        thread aborts it, freeing its pages, before its next step."""
+        if self._queues.pop(request_id, None) is not None:
+            self._aborts.append(request_id)
         self._wake.set()
+
+    def _drain_aborts(self) -> bool:
+        """Aborts what clients gave up on (engine thread, lock held); whether any was."""
+        drained = False
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            try:
+                self.engine.abort(request_id)
+                drained = True
+            except ValueError:
+                pass  # it finished in the meantime
+        return drained
 
     def close(self) -> None:
         self._stop = True
@@ -84,27 +97,33 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-                report, self._dirty = busy or self._dirty, False
-                outputs, error, t = [], None, time.perf_counter()
-                if busy:
+            try:
+                self._once()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad step
+                logger.exception("engine loop iteration failed")
+
+    def _once(self) -> None:
+        with self._lock:
+            aborted = self._drain_aborts()
+            busy = self.engine.has_unfinished_requests()
+            outputs, error, t = [], None, time.perf_counter()
+            if busy or aborted:  # a step also reports (and frees) what was aborted
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - reported to every waiting client
+                    error = e
+            seconds = time.perf_counter() - t
+            if error is not None:
+                for request_id in list(self._queues):
                     try:
-                        outputs = self.engine.step()
-                    except Exception as e:  # noqa: BLE001 - reported to every waiting client
-                        error = e
-                seconds = time.perf_counter() - t
-                if error is not None:
-                    for request_id in list(self._queues):
-                        try:
-                            self.engine.abort(request_id)
-                        except ValueError:
-                            pass
-                        self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-            if self.on_step is not None and report:
-                self.on_step(outputs, seconds)
-            if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                        self.engine.abort(request_id)
+                    except ValueError:
+                        pass
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if self.on_step is not None and (busy or aborted):
+                self.on_step(outputs, seconds)  # under the lock: a consistent snapshot
+        if not busy:
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
