@@ -64,14 +64,15 @@ def _backend(impl: str) -> tuple[str, bool]:
 
 
 def paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs, *,
-                    decode: bool, sm_scale, sliding_window=None, impl="auto"):
-    """[T, H, D] attention of a step's tokens over layer `layer` of [L, K, P, S, 2D] pages.
+                    decode: bool, sm_scale, sliding_window=None, impl="auto", kv_scales=None):
+    """[T, H, D] attention of a step's tokens over layer `layer` of [L, K, P, S, 2D] pages
+    (quantized pages with their ``kv_scales`` i32[L, K, P, S]).
 
     ``decode`` (static): one token per row, rows aligned with tokens; uses the decode kernel.
     """
     backend, interpret = _backend(check_attention_impl(impl))
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer,
-                  backend=backend, interpret=interpret)
+                  backend=backend, interpret=interpret, kv_scales=kv_scales)
     if decode:  # padding rows have kv_len 0, which the decode kernels treat as empty
         b = page_table.shape[0]
         return paged_decode_attention(q[:b], kv_pages, page_table, kv_lens, **common)

@@ -105,6 +105,8 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV pages' dtype: auto (the compute dtype) or quantized (default auto)")
     p.set_defaults(func=run_generate)
 
 
@@ -126,9 +128,9 @@ def run_generate(args) -> int:
                                     top_k=args.top_k, max_tokens=args.max_tokens,
                                     seed=args.seed)
     # The first call compiles; time a second, identical call.
-    jaxkv.generate_with_stats(model, inputs, sampling, page_size=args.page_size)
-    outputs, stats = jaxkv.generate_with_stats(model, inputs, sampling,
-                                               page_size=args.page_size)
+    kw = dict(page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype)
+    jaxkv.generate_with_stats(model, inputs, sampling, **kw)
+    outputs, stats = jaxkv.generate_with_stats(model, inputs, sampling, **kw)
     name = args.model or "embedded tiny-llama"
     print(f"model: {name} ({model.config.num_params():,} params, {np.dtype(model.dtype).name})"
           "\n")
@@ -165,7 +167,7 @@ def run_generate(args) -> int:
     print(f"\nreproduce: jaxkv generate {model_arg}{chat_arg}--max-tokens {args.max_tokens} "
           f"--page-size "
           f"{args.page_size} --temperature {args.temperature} --top-p {args.top_p} "
-          f"--seed {args.seed}")
+          f"--seed {args.seed} --kv-cache-dtype {args.kv_cache_dtype}")
     return 0
 
 
@@ -187,6 +189,10 @@ def _add_serve_parser(subparsers) -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV pages' dtype: auto (the compute dtype) or quantized (default auto)")
+    p.add_argument("--host-kv-cache-gib", type=float, default=0.0,
+                   help="host memory for prefix-cache pages evicted from the device (GiB)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests accepted before answering 429")
     p.add_argument("--no-warmup", action="store_true",
@@ -205,7 +211,9 @@ def run_serve(args) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching,
                     tensor_parallel_size=args.tensor_parallel_size,
-                    data_parallel_size=args.data_parallel_size)
+                    data_parallel_size=args.data_parallel_size,
+                    kv_cache_dtype=args.kv_cache_dtype,
+                    host_kv_cache_bytes=int(args.host_kv_cache_gib * 2**30))
     if not args.no_warmup:
         llm.engine.warmup()
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",

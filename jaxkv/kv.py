@@ -4,6 +4,8 @@ Axes: L layers, K kv heads, P pages, S page_size, D head_dim, T tokens of a step
 
 Pages hold keys and values side by side, ``kv_pages[..., :D]`` and ``kv_pages[..., D:]``: one
 array the kernels read in place on every backend (``pallas_kernels.layout`` says why).
+Quantized pages (``kv_cache_dtype`` "int8" or "fp8_e4m3") add ``kv_scales``, a key and a value
+scale per token and kv head (``pallas_kernels.quant``), written by the step with the values.
 
 The host decides *which* pages a slot owns; the device holds *what* is in them. Transitions are
 pure (`state.replace(...)`) and jitted with the state donated, so XLA updates pages in place.
@@ -18,6 +20,14 @@ from flax import struct
 
 from jaxkv.errors import KVStateError
 from jaxkv.model.config import ModelConfig
+from pallas_kernels.quant import (
+    SCALE_DTYPE,
+    is_quantized,
+    pages_per_scale_row,
+    quantize_kv,
+    scale_rows_shape,
+    storage_dtype,
+)
 
 
 def _check(field: str, fn, *args) -> None:
@@ -31,13 +41,17 @@ def _check(field: str, fn, *args) -> None:
 class PagedKVState:
     """The KV pages of every sequence, and nothing else on device.
 
-    ``kv_pages`` f[L, K, P, S, 2D] (the compute dtype): slot s of page p of kv head k in
-    layer l holds one token's key in ``[..., :D]`` and value in ``[..., D:]``. Which pages
-    belong to which sequence, and how many tokens each holds, is host bookkeeping (allocator,
-    scheduler) sent with every step in its `StepBatch`: the state has no page table.
+    ``kv_pages`` [L, K, P, S, 2D]: slot s of page p of kv head k in layer l holds one token's
+    key in ``[..., :D]`` and value in ``[..., D:]``, in the compute dtype, or quantized (int8,
+    float8_e4m3fn) with ``kv_scales`` i32[L, K, ceil(P / G), G * S] (G = 128 // S pages per
+    row; ``pallas_kernels.quant``): a word per slot holding its key scale (bfloat16, high 16
+    bits) and value scale (low 16 bits), so ``key = kv_pages[..., :D] * key_scale``. Which
+    pages belong to which sequence, and how many tokens each holds, is host bookkeeping
+    (allocator, scheduler) sent with every step in its `StepBatch`: the state has no page table.
     """
 
     kv_pages: jax.Array  # [L, K, P, S, 2D]  keys in [..., :D], values in [..., D:]
+    kv_scales: jax.Array | None = None  # i32[L, K, P / G, G * S]  quantized pages only
 
     def __post_init__(self):
         # jax rebuilds pytrees with placeholder leaves (tracing, vmap axes); check real arrays only.
@@ -46,7 +60,15 @@ class PagedKVState:
 
     def validate(self) -> None:
         """Raises KVStateError naming the field if its rank or last axis is wrong."""
-        kv = self.kv_pages
+        kv, sc = self.kv_pages, self.kv_scales
+        if is_quantized(kv.dtype) != (sc is not None):
+            raise KVStateError(f"PagedKVState.kv_scales: {kv.dtype} pages "
+                               + ("need scales" if sc is None else "take no scales"))
+        if sc is not None and (tuple(sc.shape) != scale_rows_shape(kv.shape)
+                               or sc.dtype != SCALE_DTYPE):
+            raise KVStateError(f"PagedKVState.kv_scales: expected i32"
+                               f"{list(scale_rows_shape(kv.shape))}, got {sc.dtype}"
+                               f"{list(sc.shape)}")
         if len(kv.shape) == 5 and kv.shape[4] % 2 == 0:  # the per-step fast path
             return
         _check("kv_pages", chex.assert_rank, kv, 5)
@@ -64,31 +86,55 @@ class PagedKVState:
     num_pages = property(lambda self: self.kv_pages.shape[2])
     page_size = property(lambda self: self.kv_pages.shape[3])
     head_dim = property(lambda self: self.kv_pages.shape[4] // 2)
+    quantized = property(lambda self: self.kv_scales is not None)
 
 
-def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32
-               ) -> PagedKVState:
-    """An empty state: zeroed pages."""
+def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
+    """Bytes of KV one token takes in pages of ``dtype``, scales included (all layers)."""
+    per_head = 2 * config.head_dim * jnp.dtype(dtype).itemsize
+    if is_quantized(dtype):
+        per_head += jnp.dtype(SCALE_DTYPE).itemsize
+    return config.num_layers * config.num_kv_heads * per_head
+
+
+def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
+               kv_cache_dtype: str = "auto") -> PagedKVState:
+    """An empty state: zeroed pages (and scales) for a model computing in ``dtype``, stored as
+    ``kv_cache_dtype`` ("auto": ``dtype``; "int8"; "fp8_e4m3")."""
     for name, value in (("num_pages", num_pages), ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"init_state: {name} must be a positive int, got {value!r}")
     if page_size & (page_size - 1):
         raise ValueError(f"init_state: page_size must be a power of two, got {page_size}")
     shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, 2 * config.head_dim)
-    return PagedKVState(kv_pages=jnp.zeros(shape, dtype))
+    stored = storage_dtype(kv_cache_dtype, dtype)
+    scales = jnp.zeros(scale_rows_shape(shape), SCALE_DTYPE) if is_quantized(stored) else None
+    return PagedKVState(kv_pages=jnp.zeros(shape, stored), kv_scales=scales)
 
 
-def write_kv(kv_pages, layer, k_tkd, v_tkd, page_t, offset_t):
+def write_kv(kv_pages, layer, k_tkd, v_tkd, page_t, offset_t, kv_scales=None):
     """Scatters the new K and V of T tokens into one layer of [L, K, P, S, 2D] pages.
 
     Token t goes to page ``page_t[t]`` at slot ``offset_t[t]``; a page index >= P (padding
-    tokens) is dropped, so padding never touches a page.
+    tokens) is dropped, so padding never touches a page. Quantized pages are written as values
+    and scales (quantized here, once); returns (pages, scales), scales None when unquantized.
     """
-    kv_tk2d = jnp.concatenate([k_tkd, v_tkd], axis=-1).astype(kv_pages.dtype)
+    heads_k = jnp.arange(kv_pages.shape[1], dtype=jnp.int32)[None, :]
+    if kv_scales is not None:
+        kv_tk2d, words_tk = quantize_kv(k_tkd, v_tkd, kv_pages.dtype)
+        s = kv_pages.shape[3]
+        g = pages_per_scale_row(s)  # the word of slot (p, o) is row p // G, column p % G * S + o
+        rows = kv_scales.shape[2]  # a padding token's row is past the array: dropped
+        row = jnp.where(page_t < kv_pages.shape[2], page_t // g, rows)
+        col = page_t % g * s + offset_t
+        kv_scales = kv_scales.at[layer, heads_k, row[:, None], col[:, None]].set(
+            words_tk, mode="drop")
+    else:
+        kv_tk2d = jnp.concatenate([k_tkd, v_tkd], axis=-1).astype(kv_pages.dtype)
     # One scattered row per (token, kv head): the update window is only the contiguous last
     # axis, so XLA keeps the pool row-major. A [K, 2D] window per token (`[layer, :, page,
     # offset]`) makes XLA:TPU move K next to 2D in the layout, and then copy the whole pool
     # back to row-major for the attention kernel in every layer.
-    heads_k = jnp.arange(kv_pages.shape[1], dtype=jnp.int32)[None, :]
-    return kv_pages.at[layer, heads_k, page_t[:, None], offset_t[:, None]].set(
+    kv_pages = kv_pages.at[layer, heads_k, page_t[:, None], offset_t[:, None]].set(
         kv_tk2d, mode="drop")
+    return kv_pages, kv_scales

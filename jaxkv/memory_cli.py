@@ -14,6 +14,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model",
                         help="preset name, config.json path or folder; 'list' shows presets")
     parser.add_argument("--dtype", default="bfloat16", help="KV/weight dtype (default bfloat16)")
+    parser.add_argument("--kv-dtype", default=None,
+                        help="KV pages' dtype when it differs: int8 or fp8 count their scales "
+                             "(default: --dtype)")
     parser.add_argument("--context", type=int, default=4096,
                         help="tokens per sequence (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
@@ -47,8 +50,9 @@ def run_memory(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--context and --batch must be >= 0, got {args.context}, {args.batch}")
         shape = memory.resolve_model(args.model)
-        per_token = memory.kv_bytes_per_token(shape, args.dtype)
-        total = memory.kv_bytes(shape, args.context, args.batch, args.dtype)
+        kv_dtype = args.dtype if args.kv_dtype is None else args.kv_dtype
+        per_token = memory.kv_bytes_per_token(shape, kv_dtype)
+        total = memory.kv_bytes(shape, args.context, args.batch, kv_dtype)
         weights = memory.weight_bytes(shape, args.dtype)
         plan = None
         if args.hbm_gib is not None:
@@ -57,14 +61,15 @@ def run_memory(args: argparse.Namespace) -> int:
             plan = memory.plan_capacity(
                 shape, int(args.hbm_gib * 2**30), dtype=args.dtype, max_model_len=max_len,
                 avg_seq_len=avg_len, page_size=args.page_size,
-                gpu_memory_utilization=args.utilization)
+                gpu_memory_utilization=args.utilization, kv_dtype=kv_dtype)
     except ValueError as e:
         print(f"jaxkv memory: error: {e}", file=sys.stderr)
         return 2
     print(f"model: {shape.name}  layers={shape.num_layers} hidden={shape.hidden_size} "
           f"heads={shape.num_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
           f"params={shape.num_params():,}")
-    print(f"KV per token ({args.dtype}): {per_token:,} bytes")
+    scales = " (values + scales)" if kv_dtype.lower() in memory.QUANTIZED else ""
+    print(f"KV per token ({kv_dtype}{scales}): {per_token:,} bytes")
     print(f"KV for {args.context:,} tokens x {args.batch} seq: {total:,} bytes = "
           f"{memory.format_bytes(total)}")
     print(f"weights ({args.dtype}): {weights:,} bytes = {memory.format_bytes(weights)}")

@@ -120,9 +120,11 @@ def param_shardings(params, mesh: Mesh):
         lambda path, x: NamedSharding(mesh, _spec(path, x.ndim)), params)
 
 
-def kv_sharding(mesh: Mesh) -> PagedKVState:
-    """Shardings of a PagedKVState: pages by kv head."""
-    return PagedKVState(kv_pages=NamedSharding(mesh, P(None, TP, None, None, None)))
+def kv_sharding(mesh: Mesh, quantized: bool = False) -> PagedKVState:
+    """Shardings of a PagedKVState: pages (and their scales) by kv head."""
+    scales = NamedSharding(mesh, P(None, TP, None, None)) if quantized else None
+    return PagedKVState(kv_pages=NamedSharding(mesh, P(None, TP, None, None, None)),
+                        kv_scales=scales)
 
 
 def shard(model: Model, mesh: Mesh) -> Model:
@@ -143,21 +145,22 @@ def shard(model: Model, mesh: Mesh) -> Model:
 
 
 def shard_state(state: PagedKVState, mesh: Mesh) -> PagedKVState:
-    """Places a KV state on ``mesh``: each device holds its kv heads' pages."""
-    return jax.device_put(state, kv_sharding(mesh))
+    """Places a KV state on ``mesh``: each device holds its kv heads' pages and scales."""
+    return jax.device_put(state, kv_sharding(mesh, state.quantized))
 
 
 def sharded_attention(attend, mesh: Mesh):
-    """Runs ``attend(q, k, v, kv_pages, layer, *replicated)`` per device: heads of
-    q/k/v and kv heads of the pages split over "tp", every other argument replicated. Returns
-    the attention output (heads split) and the new pages (kv heads split)."""
-    heads, pages, rep = P(None, TP, None), P(None, TP, None, None, None), P()
+    """Runs ``attend(q, k, v, (kv_pages, kv_scales), layer, *replicated)`` per device: heads
+    of q/k/v and kv heads of the pages and scales split over "tp", every other argument
+    replicated. Returns the attention output (heads split) and the new (pages, scales)."""
+    heads, rep = P(None, TP, None), P()
 
-    def run(q, k, v, kv_pages, layer, *replicated):
+    def run(q, k, v, kv, layer, *replicated):
+        pages = (P(None, TP, None, None, None), None if kv[1] is None else P(None, TP, None, None))
         fn = jax.shard_map(attend, mesh=mesh,
                            in_specs=(heads, heads, heads, pages, rep) + (rep,) * len(replicated),
                            out_specs=(heads, pages), check_vma=False)
-        return fn(q, k, v, kv_pages, jnp.asarray(layer, jnp.int32), *replicated)
+        return fn(q, k, v, kv, jnp.asarray(layer, jnp.int32), *replicated)
 
     return run
 

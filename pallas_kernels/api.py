@@ -6,7 +6,9 @@ Mosaic on TPU, the jnp reference elsewhere), "gpu", "tpu", or "reference".
 TPU kernel under ``pltpu.force_tpu_interpret_mode()``), which is how CPU tests execute
 kernel code. Pages are packed K|V (``layout.py``): ``[K, P, S, 2D]``, or ``[L, K, P, S, 2D]``
 with ``layer`` selecting the layer inside the kernel, so a caller scanning over layers never
-copies a layer's pool.
+copies a layer's pool. Quantized pages (int8, float8_e4m3fn) come with ``kv_scales``, one i32
+word per slot holding the key and value scales, pages packed 128 words to a row
+(``quant.scale_rows_shape``); every backend dequantizes inside its inner loop.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_paged_attention import (
     paged_decode_attention_gpu,
     ragged_paged_attention_gpu,
 )
+from pallas_kernels.quant import is_quantized, pages_per_scale_row, scale_rows_shape
 from pallas_kernels.reference import (
     paged_decode_attention_reference,
     ragged_paged_attention_reference,
@@ -51,6 +55,22 @@ def _layer_of(kv_pages, layer):
     return None
 
 
+def _scales(kv_pages, kv_scales) -> dict:
+    """``kv_scales`` as a keyword for the backend: given exactly when the pages are quantized."""
+    if is_quantized(kv_pages.dtype) != (kv_scales is not None):
+        raise ValueError(f"kv_scales: {kv_pages.dtype} pages need scales, and only quantized "
+                         f"(int8, float8_e4m3fn) pages take them; got "
+                         f"{None if kv_scales is None else kv_scales.shape}")
+    if kv_scales is None:
+        return {}
+    want = scale_rows_shape(kv_pages.shape)
+    if tuple(kv_scales.shape) != want or kv_scales.dtype != jnp.int32:
+        raise ValueError(f"kv_scales: expected i32{list(want)} (a word per page slot, "
+                         f"{pages_per_scale_row(kv_pages.shape[-2])} pages per row; quant.py), "
+                         f"got {kv_scales.dtype}{list(kv_scales.shape)}")
+    return {"kv_scales": kv_scales}
+
+
 def _mode(backend: str, interpret: bool):
     if interpret and backend == "tpu":
         return pltpu.force_tpu_interpret_mode()
@@ -69,6 +89,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
+    kv_scales=None,  # i32 quant.scale_rows_shape(kv_pages.shape): scales of quantized pages
     backend: str = "auto",
     interpret: bool = False,
     max_q_len: int | None = None,  # unused: no attention path takes the longest row as a shape
@@ -76,7 +97,8 @@ def ragged_paged_attention(
 ):
     """Ragged causal attention over paged K/V -> [T, H, D] (see reference.py for semantics)."""
     backend = resolve_backend(backend)
-    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                  **_scales(kv_pages, kv_scales))
     if backend == "reference":
         return ragged_paged_attention_reference(q, kv_pages, page_table, kv_lens, cu_q_lens,
                                                 num_seqs, layer=_layer_of(kv_pages, layer),
@@ -100,13 +122,15 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
+    kv_scales=None,  # i32 quant.scale_rows_shape(kv_pages.shape): scales of quantized pages
     backend: str = "auto",
     interpret: bool = False,
     **tuning,
 ):
     """Decode attention (one query per sequence) over paged K/V -> [B, H, D]."""
     backend = resolve_backend(backend)
-    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                  **_scales(kv_pages, kv_scales))
     if backend == "reference":
         return paged_decode_attention_reference(q, kv_pages, page_table, lengths,
                                                 layer=_layer_of(kv_pages, layer), **common)

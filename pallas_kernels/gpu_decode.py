@@ -21,6 +21,8 @@ Design:
   them. The default aims at ~256 programs.
 - Page skipping: a program loops only over pages below ``cdiv(length, S)`` and, with a sliding
   window, from the page holding key ``length - window`` on; splits beyond the length do no loads.
+- Quantized pages (int8, fp8 e4m3, with ``kv_scales``): each tile also gathers the scale words
+  of its page rows and dequantizes in the loop (``gpu_paged_common``); q stays bf16/f32.
 """
 
 from __future__ import annotations
@@ -39,15 +41,18 @@ from pallas_kernels.gpu_paged_common import (
     check_knob,
     check_lengths,
     flatten_pool,
+    flatten_scales,
     pad_groups,
     resolve_f32_precision,
     whole,
 )
 
 
-def _decode_kernel(lengths_ref, split_ref, table_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
-                   width: int, num_pages: int, page_size: int, pages_per_block: int,
-                   sm_scale: float, soft_cap, sliding_window, mma: bool, precision: str):
+def _decode_kernel(lengths_ref, split_ref, table_ref, q_ref, kv_ref, *refs, width: int,
+                   num_pages: int, page_size: int, pages_per_block: int, sm_scale: float,
+                   soft_cap, sliding_window, mma: bool, precision: str, quantized: bool):
+    # refs: (scale_ref,) with quantized pages, then the outputs o_ref, m_ref, l_ref.
+    scale_ref, (o_ref, m_ref, l_ref) = (refs[0] if quantized else None), refs[-3:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
     pages_per_split = split_ref[0]  # from the batch's longest row, not the table's width
@@ -65,13 +70,13 @@ def _decode_kernel(lengths_ref, split_ref, table_ref, q_ref, kv_ref, o_ref, m_re
     acc, m, l = attend_pages(
         q_rd, q_pos, None, length, lo, hi, page_rows, kv_ref, page_size=page_size,
         pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, mma=mma, precision=precision)
+        sliding_window=sliding_window, mma=mma, precision=precision, scale_ref=scale_ref)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, split_pages, *, width: int,
+def _decode_call(q_bkrd, kv_fsd, scales_fs, table_bw, lengths_b, split_pages, *, width: int,
                  num_splits: int, num_pages: int, pages_per_block: int, sm_scale: float,
                  soft_cap, sliding_window, mma: bool, precision: str, num_warps: int,
                  num_stages: int, interpret: bool):
@@ -79,14 +84,17 @@ def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, split_pages, *, width: int
 
     The batch is a grid axis rather than a vmap of a per-sequence call: that is the grid vmap
     would build anyway, and it keeps the per-sequence length a plain scalar read.
+    ``scales_fs``: the pool's i32 scale words ``[F, S]`` (quantized pages), or None.
     """
     b, k, r, d = q_bkrd.shape
     _, s, _ = kv_fsd.shape
     kernel = functools.partial(
         _decode_kernel, width=width, num_pages=num_pages, page_size=s,
         pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, mma=mma, precision=precision)
+        sliding_window=sliding_window, mma=mma, precision=precision,
+        quantized=scales_fs is not None)
     part = (b, k, num_splits, r)
+    scales = () if scales_fs is None else (scales_fs,)
     return pl.pallas_call(
         kernel,
         grid=(b, k, num_splits),
@@ -96,6 +104,7 @@ def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, split_pages, *, width: int
             pl.BlockSpec((None, table_bw.shape[1]), lambda i, j, t: (i, 0)),
             pl.BlockSpec((None, None, r, d), lambda i, j, t: (i, j, 0, 0)),
             whole(kv_fsd.shape),  # gathered page by page inside the kernel
+            *(whole(x.shape) for x in scales),  # gathered with the pages
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, r, d), lambda i, j, t: (i, j, t, 0, 0)),
@@ -110,7 +119,7 @@ def _decode_call(q_bkrd, kv_fsd, table_bw, lengths_b, split_pages, *, width: int
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(lengths_b, split_pages, table_bw, q_bkrd, kv_fsd)
+    )(lengths_b, split_pages, table_bw, q_bkrd, kv_fsd, *scales)
 
 
 def _merge_splits(o, m, l):
@@ -133,6 +142,7 @@ def paged_decode_attention_gpu(
     lengths,  # i32[B]  cached tokens including the new one; 0 = padding row -> zeros
     *,
     sm_scale: float,
+    kv_scales=None,  # i32 quant.scale_rows_shape(kv_pages.shape) (or [.., P, S]): int8/fp8
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,  # int or traced i32[] selecting the layer of 5-D pages inside the kernel
@@ -146,10 +156,11 @@ def paged_decode_attention_gpu(
     """Decode attention over paged K/V with flash-decoding splits -> [B, H, D] in q.dtype.
 
     Semantics match ``paged_decode_attention_reference``; ``interpret=True`` runs it on CPU.
+    Quantized pages (int8, float8_e4m3fn) need ``kv_scales``; q stays bf16/f32/f16.
     """
     _, n_kv, n_pages, page_size, d = check_common(
         q, kv_pages, page_table, layer, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, kv_scales=kv_scales)
     b, h, _ = q.shape
     if page_table.shape[0] != b:
         raise ValueError(f"page_table rows ({page_table.shape[0]}) must equal q batch ({b})")
@@ -177,8 +188,9 @@ def paged_decode_attention_gpu(
     pps = (((tiles + splits - 1) // splits) * ppb).astype(jnp.int32).reshape(1)
 
     kv_fsd, table = flatten_pool(kv_pages, page_table, layer, pad_cols=ppb)
+    scales_fs = None if kv_scales is None else flatten_scales(kv_scales, kv_pages)
     o, m, l = _decode_call(
-        pad_groups(q, n_kv, g, tile.rows), kv_fsd, table, lengths, pps, width=width,
+        pad_groups(q, n_kv, g, tile.rows), kv_fsd, scales_fs, table, lengths, pps, width=width,
         num_splits=splits, num_pages=n_pages, pages_per_block=ppb,
         sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
         mma=tile.mma, precision=precision, num_warps=tile.num_warps,

@@ -15,6 +15,17 @@ The kernel then needs one gather index per page (``table + kv_head * P``), the s
 the 4-D and 5-D forms, and a traced ``layer`` inside a ``lax.scan`` never slices the pool.
 Triton switches to 64-bit pointer offsets by itself once the pool exceeds 4 GiB.
 
+Quantized pages (int8, float8_e4m3fn; ``quant.py``) come with ``kv_scales`` i32 ``[..., S]``,
+one word per slot, flattened like the pages to ``[F, S]``: a tile gathers the scale words of
+the same page rows as its K|V rows, unpacks them with two integer ops and a bitcast, and
+applies them to tiles that are already f32: the key scale (times sm_scale) to the score columns
+(``q . (s k) = s (q . k)``), the value scale to the probability columns (``sum_j p_j s_j v_j``),
+[R, N] multiplies where scaling the K and V tiles would take 2 N D (R <= 16 in decode, ~64 in
+prefill). The int8/fp8 tile itself is only converted, exactly (|int8| <= 127 and e4m3's 3-bit
+mantissa fit bf16), to the compute dtype, so ``tl.dot`` keeps its native bf16 (or TF32) MMA.
+Slots past a sequence's length get scale words of 0, so NaN-poisoned stale scales never reach
+the accumulator. The pool is never dequantized outside the kernel.
+
 Why Triton shapes show up here: every tensor a Triton kernel touches must have a power-of-two
 size, and ``tl.dot`` needs M, N, K >= 16. The static checks below enforce those rules even in
 interpret mode, so CPU CI rejects tile configurations a GPU would fail to compile.
@@ -26,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.quant import is_quantized, scale_rows_shape, scales_by_page
 
 MASKED = -1e30  # finite: a fully masked row keeps m finite and yields zeros, never NaN
 MMA_MIN = 16  # Triton's tl.dot minimum for M, N and K
@@ -75,8 +88,26 @@ def check_knob(name: str, value, *, pow2: bool = False) -> None:
         raise ValueError(f"{name} must be a power of two (Triton tile), got {value}")
 
 
-def check_common(q, kv_pages, page_table, layer, *, sm_scale, soft_cap,
-                 sliding_window) -> tuple[int, int, int, int, int]:
+def check_scales(kv_pages, kv_scales) -> None:
+    """Quantized pages need i32 scale words, as the pool's scale array
+    (``quant.scale_rows_shape``) or per page (``kv_pages.shape[:-1]``); others take none."""
+    quantized = is_quantized(kv_pages.dtype)
+    if quantized and kv_scales is None:
+        raise ValueError(f"kv_scales is required with {kv_pages.dtype} (quantized) kv_pages: "
+                         f"i32{list(kv_pages.shape[:-1])}, one word per page slot")
+    if not quantized and kv_scales is not None:
+        raise ValueError(f"kv_scales is only for quantized (int8, float8_e4m3fn) kv_pages, got "
+                         f"{kv_pages.dtype} pages")
+    shapes = (tuple(kv_pages.shape[:-1]), scale_rows_shape(kv_pages.shape))
+    if kv_scales is not None and (tuple(kv_scales.shape) not in shapes
+                                  or kv_scales.dtype != jnp.int32):
+        raise ValueError(f"kv_scales must be i32{list(shapes[1])} (quant.scale_rows_shape) or "
+                         f"i32{list(shapes[0])} (one word per page slot), got "
+                         f"{kv_scales.dtype}{list(kv_scales.shape)}")
+
+
+def check_common(q, kv_pages, page_table, layer, *, sm_scale, soft_cap, sliding_window,
+                 kv_scales=None) -> tuple[int, int, int, int, int]:
     """Static checks shared by both kernels; returns (L, K, P, S, D) with L = 1 for 4-D pages."""
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D, got shape {q.shape}")
@@ -85,8 +116,10 @@ def check_common(q, kv_pages, page_table, layer, *, sm_scale, soft_cap,
                          f"{kv_pages.shape}")
     if q.dtype not in DTYPES:
         raise ValueError(f"q dtype must be one of float32/bfloat16/float16, got {q.dtype}")
-    if kv_pages.dtype != q.dtype:
-        raise ValueError(f"kv_pages dtype {kv_pages.dtype} must equal q dtype {q.dtype}")
+    if kv_pages.dtype != q.dtype and not is_quantized(kv_pages.dtype):
+        raise ValueError(f"kv_pages dtype {kv_pages.dtype} must equal q dtype {q.dtype} (or be "
+                         "int8 / float8_e4m3fn, with kv_scales)")
+    check_scales(kv_pages, kv_scales)
     if kv_pages.ndim == 5 and layer is None:
         raise ValueError("layer is required with 5-D [L, K, P, S, 2D] pages")
     if kv_pages.ndim == 4 and layer is not None:
@@ -140,6 +173,25 @@ def flatten_pool(kv_pages, page_table, layer, *, pad_cols: int):
     return kv_pages.reshape(-1, s, d2), table
 
 
+def flatten_scales(kv_scales, kv_pages):
+    """Scale words as ``[F, S]`` rows, matching ``flatten_pool``'s pages. The pool's scale
+    array is viewed per page by a free reshape; only when P is not a multiple of the pages per
+    scale row does the view need a slice (a copy of the scales: engines size pools to avoid it).
+    """
+    *lead, p, s, _ = kv_pages.shape
+    if tuple(kv_scales.shape) != (*lead, p, s):
+        kv_scales = scales_by_page(kv_scales, s)[..., :p, :]
+    return kv_scales.reshape(-1, s)
+
+
+def unpack_scales(words):
+    """i32 scale words -> (key scales, value scales) f32: each a bfloat16 in 16 of the bits,
+    widened by masking or shifting (``quant.unpack_scales``, in ops Triton lowers)."""
+    k = lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32)  # 0xFFFF0000
+    v = lax.bitcast_convert_type(lax.shift_left(words, jnp.int32(16)), jnp.float32)
+    return k, v
+
+
 def whole(shape):
     """A BlockSpec that hands every program the whole array (a pointer on GPU, no copy)."""
     zeros = (0,) * len(shape)
@@ -148,11 +200,12 @@ def whole(shape):
 
 def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, kv_ref, *,
                  page_size: int, pages_per_block: int, sm_scale: float, soft_cap,
-                 sliding_window, mma: bool, precision: str):
+                 sliding_window, mma: bool, precision: str, scale_ref=None):
     """Online softmax of ``q_rd`` over pages ``[lo_page, hi_page)`` -> (acc f32[R, D], m, l).
 
     ``page_rows(p0)`` returns the pool rows (``[ppb]`` ints) of logical pages ``p0..p0+ppb``;
     ``row_ok_r`` (None: all rows) masks query rows that belong to no query of this program.
+    ``scale_ref`` (``[F, S]`` i32, quantized pages only) holds the scale words of the pool rows.
     The result is unnormalized: out = acc / l where l > 0, else 0 (the row saw no key).
     """
     rows, d = q_rd.shape
@@ -164,6 +217,9 @@ def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k
     lowest_key = None
     if sliding_window is not None:
         lowest_key = q_pos_r - (sliding_window - 1)
+
+    quantized = scale_ref is not None
+    tile_dtype = q_rd.dtype if mma else f32  # what an int8/fp8 tile is converted to, exactly
 
     def body(i, carry):
         acc, m, l = carry
@@ -178,15 +234,23 @@ def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k
             mask &= row_ok_r[:, None]
         if lowest_key is not None:
             mask &= k_pos[None, :] >= lowest_key[:, None]
+        if quantized:  # scales per key column, of the same pool rows (module docstring)
+            # Stale slots may hold NaN scale words: past the length both scales are an exact 0
+            # (the key columns are masked below; a value column must not turn 0 into NaN).
+            # Selecting the word, not the unpacked value scale, saves sm_90 a register.
+            words = jnp.where(key_ok, scale_ref[ids, :].reshape(n), 0)
+            k_scale, v_scale = unpack_scales(words)
+            k_nd, v_nd = k_nd.astype(tile_dtype), v_nd.astype(tile_dtype)
         # Keys past the length may come from freed pages (possibly NaN-poisoned): zero them so
-        # that 0 * NaN never reaches the accumulator.
-        v_nd = jnp.where(key_ok[:, None], v_nd, jnp.zeros_like(v_nd))
+        # that 0 * NaN never reaches the accumulator. (An int8 value is never NaN.)
+        if not (quantized and jnp.issubdtype(kv_ref.dtype, jnp.integer)):
+            v_nd = jnp.where(key_ok[:, None], v_nd, jnp.zeros_like(v_nd))
         if mma:
             s = lax.dot_general(q_rd, k_nd, (((1,), (1,)), ((), ())), precision=prec,
                                 preferred_element_type=f32)
         else:  # a few rows: a broadcast multiply-reduce avoids padding G up to the MMA tile
             s = jnp.sum(q_rd.astype(f32)[:, None, :] * k_nd.astype(f32)[None, :, :], axis=-1)
-        s = s * sm_scale
+        s = s * (k_scale * sm_scale)[None, :] if quantized else s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(mask, s, MASKED)
@@ -194,11 +258,12 @@ def attend_pages(q_rd, q_pos_r, row_ok_r, kv_len, lo_page, hi_page, page_rows, k
         alpha = jnp.exp(m - m_new)
         # The where matters while a row has seen only masked keys: then m_new == MASKED too.
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        p_v = p * v_scale[None, :] if quantized else p
         if mma:
-            pv = lax.dot_general(p.astype(v_nd.dtype), v_nd, (((1,), (0,)), ((), ())),
+            pv = lax.dot_general(p_v.astype(v_nd.dtype), v_nd, (((1,), (0,)), ((), ())),
                                  precision=prec, preferred_element_type=f32)
         else:
-            pv = jnp.sum(p[:, :, None] * v_nd.astype(f32)[None, :, :], axis=1)
+            pv = jnp.sum(p_v[:, :, None] * v_nd.astype(f32)[None, :, :], axis=1)
         return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=-1)
 
     n_iter = (jnp.maximum(hi_page - lo_page, 0) + pages_per_block - 1) // pages_per_block

@@ -23,6 +23,8 @@ Design:
   a block load never runs off the array; stores are masked to the block's real tokens.
 - Page skipping: a block reads pages up to the causal limit of its last query (and the length),
   and with a sliding window from the page of its first query's oldest visible key on.
+- Quantized pages (int8, fp8 e4m3, with ``kv_scales``): each tile also gathers the scale words
+  of its page rows and dequantizes in the loop (``gpu_paged_common``); q stays bf16/f32.
 - Grid dim 0 (CUDA x, launched fastest) runs over query blocks, so consecutive programs are
   neighbouring blocks of one sequence and kv head, which share K/V pages in L2.
 """
@@ -44,6 +46,7 @@ from pallas_kernels.gpu_paged_common import (
     check_knob,
     check_lengths,
     flatten_pool,
+    flatten_scales,
     next_pow2,
     pad_groups,
     resolve_f32_precision,
@@ -52,9 +55,11 @@ from pallas_kernels.gpu_paged_common import (
 
 
 def _prefill_kernel(seq_ref, tok0_ref, nrows_ref, pos0_ref, kv_len_ref, table_ref, q_ref, kv_ref,
-                    o_ref, *, width: int, num_pages: int, page_size: int, block_q: int,
+                    *refs, width: int, num_pages: int, page_size: int, block_q: int,
                     pages_per_block: int, sm_scale: float, soft_cap, sliding_window,
-                    precision: str):
+                    precision: str, quantized: bool):
+    # refs: (scale_ref,) with quantized pages, then the output o_ref.
+    scale_ref, o_ref = (refs[0] if quantized else None), refs[-1]
     i, h = pl.program_id(0), pl.program_id(1)
     nrows = nrows_ref[i]
 
@@ -77,7 +82,8 @@ def _prefill_kernel(seq_ref, tok0_ref, nrows_ref, pos0_ref, kv_len_ref, table_re
         acc, _, l = attend_pages(
             q_qgd.reshape(block_q * gp, d), q_pos, t_r < nrows, kv_len, lo, hi, page_rows,
             kv_ref, page_size=page_size, pages_per_block=pages_per_block, sm_scale=sm_scale,
-            soft_cap=soft_cap, sliding_window=sliding_window, mma=True, precision=precision)
+            soft_cap=soft_cap, sliding_window=sliding_window, mma=True, precision=precision,
+            scale_ref=scale_ref)
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row that saw no key -> 0, not NaN
         out_qgd = out.reshape(block_q, gp, d).astype(o_ref.dtype)
         keep = jnp.broadcast_to((lax.iota(jnp.int32, block_q) < nrows)[:, None, None],
@@ -104,29 +110,32 @@ def _work_list(kv_lens, cu_q_lens, num_seqs, *, num_tokens: int, block_q: int, n
     return seq, tok0, nrows, pos0, kv_lens[seq]
 
 
-def _prefill_call(work, table_bw, q_tkgd, kv_fsd, *, width: int, num_pages: int, block_q: int,
-                  pages_per_block: int, sm_scale: float, soft_cap, sliding_window,
+def _prefill_call(work, table_bw, q_tkgd, kv_fsd, scales_fs, *, width: int, num_pages: int,
+                  block_q: int, pages_per_block: int, sm_scale: float, soft_cap, sliding_window,
                   precision: str, num_warps: int, num_stages: int, interpret: bool):
-    """The pallas_call over the (NB, K) grid -> [T + Q, K, Gp, D] (unwritten rows undefined)."""
+    """The pallas_call over the (NB, K) grid -> [T + Q, K, Gp, D] (unwritten rows undefined).
+
+    ``scales_fs``: the pool's i32 scale words ``[F, S]`` (quantized pages), or None."""
     t_pad, k, gp, d = q_tkgd.shape
     _, s, _ = kv_fsd.shape
     nb = work[0].shape[0]
     kernel = functools.partial(
         _prefill_kernel, width=width, num_pages=num_pages, page_size=s, block_q=block_q,
         pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, precision=precision)
+        sliding_window=sliding_window, precision=precision, quantized=scales_fs is not None)
+    scales = () if scales_fs is None else (scales_fs,)
     per_head = pl.BlockSpec((t_pad, None, gp, d), lambda i, j: (0, j, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(nb, k),
         in_specs=[*(whole((nb,)) for _ in work), whole(table_bw.shape), per_head,
-                  whole(kv_fsd.shape)],
+                  whole(kv_fsd.shape), *(whole(x.shape) for x in scales)],
         out_specs=per_head,
         out_shape=jax.ShapeDtypeStruct(q_tkgd.shape, q_tkgd.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*work, table_bw, q_tkgd, kv_fsd)
+    )(*work, table_bw, q_tkgd, kv_fsd, *scales)
 
 
 @functools.partial(
@@ -142,6 +151,7 @@ def ragged_paged_attention_gpu(
     num_seqs,  # i32[] (or int)  rows >= num_seqs are padding
     *,
     sm_scale: float,
+    kv_scales=None,  # i32 quant.scale_rows_shape(kv_pages.shape) (or [.., P, S]): int8/fp8
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,  # int or traced i32[] selecting the layer of 5-D pages inside the kernel
@@ -155,10 +165,11 @@ def ragged_paged_attention_gpu(
     """Causal ragged attention of new tokens over paged K/V -> [T, H, D] in q.dtype.
 
     Semantics match ``ragged_paged_attention_reference``; ``interpret=True`` runs it on CPU.
+    Quantized pages (int8, float8_e4m3fn) need ``kv_scales``; q stays bf16/f32/f16.
     """
     _, n_kv, n_pages, page_size, d = check_common(
         q, kv_pages, page_table, layer, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, kv_scales=kv_scales)
     t, h, _ = q.shape
     b, width = page_table.shape
     check_lengths("kv_lens", kv_lens, b)
@@ -186,8 +197,9 @@ def ragged_paged_attention_gpu(
                       num_blocks=num_blocks)
     kv_fsd, table = flatten_pool(kv_pages, page_table, layer, pad_cols=ppb)
     q_tkgd = jnp.pad(pad_groups(q, n_kv, g, gp), ((0, bq), (0, 0), (0, 0), (0, 0)))
+    scales_fs = None if kv_scales is None else flatten_scales(kv_scales, kv_pages)
     out = _prefill_call(
-        work, table, q_tkgd, kv_fsd, width=width, num_pages=n_pages, block_q=bq,
+        work, table, q_tkgd, kv_fsd, scales_fs, width=width, num_pages=n_pages, block_q=bq,
         pages_per_block=ppb, sm_scale=float(sm_scale), soft_cap=soft_cap,
         sliding_window=sliding_window, precision=precision, num_warps=tile.num_warps,
         num_stages=tile.num_stages, interpret=interpret)

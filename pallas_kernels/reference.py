@@ -6,6 +6,10 @@ G = H // K queries per kv head, D head_dim, P pages, S page_size, W pages per se
 Pages hold K and V side by side: ``kv_pages[k, p, s, :D]`` is the key and ``kv_pages[k, p, s,
 D:]`` the value of slot s of page p for kv head k (see ``layout.py`` for why).
 
+Quantized pages (int8, float8_e4m3fn) come with ``kv_scales``, a key and a value scale per
+slot in the scale array of ``quant.py`` (``[K, P / G, G * S]``, or ``[L, ...]`` with ``layer``):
+keys and values are dequantized as each chunk of pages is gathered, never as a whole pool.
+
 Semantics (shared by every kernel): sequence b owns queries ``q[cu_q_lens[b]:cu_q_lens[b+1]]``
 and has ``kv_lens[b]`` cached tokens *including* those new ones. Its query i sits at position
 ``kv_lens[b] - q_len + i`` and attends causally to keys ``0..position`` (and, with a sliding
@@ -18,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant import scales_by_page, unpack_scales
+
 _MASKED = -1e30  # finite, so a fully masked row gives zeros, never NaN
 # Measured on XLA:CPU (2 cores, the 125M model of scripts/bench_peers.py): a decode step at
 # batch 16 and ~330 tokens of context took 45 ms at 128 keys per chunk against 57-63 ms at 256
@@ -28,6 +34,26 @@ BLOCK_Q = 32  # query tokens per block of the ragged reference
 BLOCK_KV = 256  # key positions per chunk of the ragged reference
 DECODE_BLOCK_KV = 128  # key positions per chunk of the decode reference
 SEGMENT_ROWS = 4  # a query block spanning up to this many rows goes row by row
+
+
+def _keys_values(kv, scales, d):
+    """Gathered packed pages [..., 2D] (and their scale words [...], or None) -> f32 keys and
+    values [..., D]: where quantized pages are dequantized, chunk by chunk."""
+    kk, vv = kv[..., :d].astype(jnp.float32), kv[..., d:].astype(jnp.float32)
+    if scales is None:
+        return kk, vv
+    ks, vs = unpack_scales(scales)
+    return kk * ks[..., None], vv * vs[..., None]
+
+
+def _with_layer(kv_pages, kv_scales, layer):
+    """5-D pages (and their scale words per page, [L, K, P', S]) and a layer index, whether or
+    not ``layer`` was given."""
+    if kv_scales is not None:
+        kv_scales = scales_by_page(kv_scales, kv_pages.shape[-2])
+    if layer is not None:
+        return kv_pages, kv_scales, layer
+    return kv_pages[None], None if kv_scales is None else kv_scales[None], 0
 
 
 def ragged_paged_attention_reference(
@@ -43,6 +69,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     max_q_len: int | None = None,
     layer=None,
+    kv_scales=None,  # i32[K, P / G, G * S] (or [L, ...]): scales of quantized pages (quant.py)
     block_q: int = BLOCK_Q,
     block_kv: int = BLOCK_KV,
 ):
@@ -62,8 +89,7 @@ def ragged_paged_attention_reference(
     """
     del max_q_len
     t, h, d = q.shape
-    if layer is None:
-        kv_pages, layer = kv_pages[None], 0
+    kv_pages, kv_scales, layer = _with_layer(kv_pages, kv_scales, layer)
     _, k, _, s, d2 = kv_pages.shape
     heads = jnp.arange(k)
     b, w = page_table.shape
@@ -132,7 +158,9 @@ def ragged_paged_attention_reference(
                         & mine[:, None]
                     pages = jax.lax.dynamic_slice_in_dim(table[r], c * pc, pc)
                     kv = kv_pages[layer, heads[:, None], pages[None]].reshape(k, lc, d2)
-                    kk, vv = kv[..., :d].astype(jnp.float32), kv[..., d:].astype(jnp.float32)
+                    sc = None if kv_scales is None else \
+                        kv_scales[layer, heads[:, None], pages[None]].reshape(k, lc)
+                    kk, vv = _keys_values(kv, sc, d)
                     vv = jnp.where((kpos < kv_lens[r])[None, :, None], vv, 0)  # stale: NaN
                     x = jnp.einsum("tkgd,kld->tkgl", qb, kk) * sm_scale
                     return update(carry, x, vv, mask, False)
@@ -153,7 +181,9 @@ def ragged_paged_attention_reference(
                 pages = table[rows][:, c * pc + jnp.arange(pc)]  # [bq, pc]
                 kv = kv_pages[layer, heads[:, None, None], pages[None]]  # [K, bq, pc, S, 2D]
                 kv = kv.reshape(k, bq, lc, d2).transpose(1, 0, 2, 3)
-                kk, vv = kv[..., :d].astype(jnp.float32), kv[..., d:].astype(jnp.float32)
+                sc = None if kv_scales is None else kv_scales[
+                    layer, heads[:, None, None], pages[None]].reshape(k, bq, lc).transpose(1, 0, 2)
+                kk, vv = _keys_values(kv, sc, d)
                 vv = jnp.where((kpos[None] < ln[:, None])[:, None, :, None], vv, 0)
                 x = jnp.einsum("tkgd,tkld->tkgl", qb, kk) * sm_scale
                 return update(carry, x, vv, mask, True)
@@ -182,13 +212,13 @@ def paged_decode_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
+    kv_scales=None,  # i32[K, P / G, G * S] (or [L, ...]): scales of quantized pages (quant.py)
     block_kv: int = DECODE_BLOCK_KV,
 ):
     """Decode attention (one query per sequence, at position length - 1): the ragged
     reference with q_len = 1, as one loop over key chunks up to the longest row."""
     b, h, d = q.shape
-    if layer is None:
-        kv_pages, layer = kv_pages[None], 0
+    kv_pages, kv_scales, layer = _with_layer(kv_pages, kv_scales, layer)
     _, k, _, s, d2 = kv_pages.shape
     if d2 != 2 * d:
         raise ValueError(f"kv_pages last dim ({d2}) must be 2 * q head_dim ({2 * d})")
@@ -209,13 +239,16 @@ def paged_decode_attention_reference(
         m, l_sum, acc = carry  # [B, K, G], [B, K, G], [B, K, G, D]
         pages = jax.lax.dynamic_slice_in_dim(table, c * pc, pc, axis=1)  # [B, pc]
         kv = kv_pages[layer, heads[:, None, None], pages[None]].reshape(k, b, lc, d2)
+        sc = None if kv_scales is None else \
+            kv_scales[layer, heads[:, None, None], pages[None]].reshape(k, b, lc)
+        kk, vv = _keys_values(kv, sc, d)
         kpos = c * lc + jnp.arange(lc)
         mask = (kpos[None] < hi[:, None]) & (kpos[None] >= lo[:, None])  # [B, lc]
-        x = jnp.einsum("bkgd,kbld->bkgl", qf, kv[..., :d].astype(jnp.float32)) * sm_scale
+        x = jnp.einsum("bkgd,kbld->bkgl", qf, kk) * sm_scale
         if soft_cap is not None:
             x = soft_cap * jnp.tanh(x / soft_cap)
         x = jnp.where(mask[:, None, None], x, _MASKED)
-        vv = jnp.where(mask[None, :, :, None], kv[..., d:].astype(jnp.float32), 0)
+        vv = jnp.where(mask[None, :, :, None], vv, 0)
         m_new = jnp.maximum(m, x.max(axis=-1))
         p = jnp.where(mask[:, None, None], jnp.exp(x - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)

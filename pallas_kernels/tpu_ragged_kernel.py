@@ -39,11 +39,24 @@ Semantics are exactly those of ``reference.ragged_paged_attention_reference``. D
   a row with nothing to attend to (padding, other sequences' rows) keeps m/l/acc untouched and
   returns 0, never NaN. Rows outside the fetched key range are zeroed before PV: slots the DMA
   skipped may hold stale data or NaN (uninitialised VMEM; freed pages filled with NaN).
+* Quantized pages (int8, fp8 e4m3; ``quant.py``). Each page DMA comes with a DMA of the 32-bit
+  scale row holding the page's S scale words (rows of Ws = Gs * S words, Gs = 128 / S pages
+  per row: ``quant.scale_rows_shape`` says why) into a double-buffered
+  [2, N, Ws] VMEM buffer, on a semaphore of its own, started and waited with the page's DMA
+  (same clamped page id, same `needed` flag). No dequantized copy of K or V is made: the
+  integer tile is converted to q's dtype (exact for int8 and e4m3 into bf16) and the scales
+  act on the key columns: logits = (q @ K^T) * k_scale[1, Bk] before the mask, and
+  acc += (p * v_scale[1, Bk]) @ V, with the softmax denominator summing the unscaled p. The
+  [1, Bk] scale rows are gathered from the buffer by a one-hot MXU matmul (``scale_rows``),
+  exact because scales are bfloat16 numbers; words of keys outside the block's key range
+  (rows the DMA skipped: garbage, NaN included) are zeroed before it, the mask is applied
+  after the key scale, and fp8 value rows out of range are zeroed (fp8 garbage can be NaN,
+  int8 cannot), so garbage never reaches m, l or acc.
 
 TPU constraints, met by the defaults in ``tpu_block_sizes``: R a multiple of the sublane tile
-(8 f32 / 16 bf16) or the whole row axis; S a multiple of the sublane tile so every page DMA lands
-tile-aligned. The interpreter checks none of this; ``make test-aot`` compiles the kernel for
-v5e and v6e.
+(8 f32 / 16 bf16) or the whole row axis; S a multiple of the pages' sublane tile (32 for int8
+and fp8) so every page DMA lands tile-aligned. The interpreter checks none of this;
+``make test-aot`` compiles the kernel for v5e and v6e.
 """
 
 from __future__ import annotations
@@ -94,9 +107,17 @@ class _Pair(NamedTuple):
 
 def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
             q_ref, kv_hbm, pt_hbm,  # [R, E] VMEM; [L, K, P, S, 2D] HBM; i32[B8, Wt] HBM
-            o_ref,  # [R, E]
-            kv_buf, pt_buf, sems, m_ref, l_ref, acc_ref,  # [2, Bk, 2D]; SMEM i32[2, 8, C]; ...
-            *, group, pages_per_block, pages_per_row, sm_scale, soft_cap, sliding_window):
+            *refs, group, pages_per_block, pages_per_row, sm_scale, soft_cap, sliding_window,
+            quantized):
+    """refs: [sc_hbm (quantized: i32[L, K, ceil(P / Gs), Ws] HBM),] o_ref [R, E], then
+    scratch: kv_buf [2, Bk, 2D], [sc_buf i32[2, N, Ws] and fold_ref bf16[Ws, Bk] (quantized),]
+    pt_buf SMEM i32[2, 8, C], sems DMA[2 or 3, 2] ([pages, table, scales], slot), m_ref,
+    l_ref, acc_ref."""
+    if quantized:
+        sc_hbm, o_ref, kv_buf, sc_buf, fold_ref, pt_buf, sems, m_ref, l_ref, acc_ref = refs
+        scale_width = sc_hbm.shape[-1]  # Ws = Gs * S: the scale words of Gs pages per row
+    else:
+        o_ref, kv_buf, pt_buf, sems, m_ref, l_ref, acc_ref = refs
     qb, kh = pl.program_id(0), pl.program_id(1)
     rows, lanes = q_ref.shape
     n_layers, _, n_pages, page_size, d2 = kv_hbm.shape
@@ -167,19 +188,64 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
             needed.append(p.busy & (logical >= pg_lo) & (logical < pg_hi))
         return tuple(pages), tuple(needed)
 
-    def copies(pages, slot):  # page i -> rows [i*S, (i+1)*S) of the slot
-        return [pltpu.make_async_copy(kv_hbm.at[layer, kh, page],
-                                      kv_buf.at[slot, pl.ds(i * page_size, page_size)],
-                                      sems.at[0, slot])
-                for i, page in enumerate(pages)]
+    def copies(pages, slot):
+        """Per page, its DMAs: page i -> rows [i*S, (i+1)*S) of the slot, and (quantized) the
+        scale row holding its S words -> row i of the slot's scale buffer."""
+        out = []
+        for i, page in enumerate(pages):
+            page_copies = [pltpu.make_async_copy(
+                kv_hbm.at[layer, kh, page], kv_buf.at[slot, pl.ds(i * page_size, page_size)],
+                sems.at[0, slot])]
+            if quantized:
+                page_copies.append(pltpu.make_async_copy(
+                    sc_hbm.at[layer, kh, pl.ds(page // (scale_width // page_size), 1)],
+                    sc_buf.at[slot, pl.ds(i, 1)], sems.at[2, slot]))
+            out.append(page_copies)
+        return out
 
     def start_pages(pages, needed, slot):  # start and wait of one page share its `needed` flag
-        for n, copy in zip(needed, copies(pages, slot), strict=True):
-            pl.when(n)(copy.start)
+        for n, page_copies in zip(needed, copies(pages, slot), strict=True):
+            for copy in page_copies:
+                pl.when(n)(copy.start)
 
     def wait_pages(pages, needed, slot):
-        for n, copy in zip(needed, copies(pages, slot), strict=True):
-            pl.when(n)(copy.wait)
+        for n, page_copies in zip(needed, copies(pages, slot), strict=True):
+            for copy in page_copies:
+                pl.when(n)(copy.wait)
+
+    def scale_rows(p: _Pair, slot, pages):
+        """(key scales, value scales), each f32[1, Bk] with key j*Bk + c in lane c: the words
+        of the block's keys gathered from the scale buffer, 0 for keys outside
+        [key_lo, key_hi) (rows the DMA skipped may hold anything, NaN included).
+
+        Row i of the buffer holds the Ws words of scale row page_i // Gs; page i's S words
+        start at lane o_i = page_i % Gs * S. A one-hot MXU matmul moves them into lanes
+        [i*S, (i+1)*S): with X[i, l] the word at lane l of row i, zeroed outside
+        [o_i, o_i + S) and for keys out of range, and F[l, c] = (l % S == c % S),
+        (X @ F)[i, c] = X[i, o_i + c % S]; then row i's own lanes (c // S == i) are kept and
+        the rows summed. Scales are bfloat16 numbers (quant.py), so the bf16 matmul with f32
+        accumulation is exact: one nonzero product per output."""
+        n = pages_per_block
+        shape = (n, scale_width)
+        row = lax.broadcasted_iota(jnp.int32, shape, 0)
+        lane = lax.broadcasted_iota(jnp.int32, shape, 1)
+        start = jnp.zeros(shape, jnp.int32)
+        for i, page in enumerate(pages):
+            start = jnp.where(row == i, page % (scale_width // page_size) * page_size, start)
+        slot_in_page = lane - start
+        key = p.j * bk + row * page_size + slot_in_page
+        ok = ((slot_in_page >= 0) & (slot_in_page < page_size)
+              & (key >= p.seq.key_lo) & (key < p.seq.key_hi))
+        words, fold = sc_buf[slot], fold_ref[...]
+        own = (lax.broadcasted_iota(jnp.int32, (n, bk), 1) // page_size
+               == lax.broadcasted_iota(jnp.int32, (n, bk), 0))
+        out = []
+        for bits in (words & jnp.int32(-65536), words << 16):  # key: high half; value: low
+            x = jnp.where(ok, lax.bitcast_convert_type(bits, jnp.float32), 0.0)
+            a = lax.dot_general(x.astype(jnp.bfloat16), fold, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+            out.append(jnp.where(own, a, 0.0).sum(axis=0, keepdims=True))
+        return out
 
     def compute(p: _Pair, slot, pages, needed):
         s, j = p.seq, p.j
@@ -189,8 +255,23 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
             v = kv_buf[slot, :, pl.ds(d, d)]
         else:  # q's upper D lanes are zero: q @ [K|V]^T == q @ K^T
             k = v = kv_buf[slot]
+        v_key = j * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+        v_ok = (v_key >= s.key_lo) & (v_key < s.key_hi)  # select in f32: v5e has no bf16 VPU
+        if quantized:
+            # Integer values, scaled per key column outside the MXU: q @ (k * ks)^T is
+            # (q @ k^T) * ks, and p @ (v * vs) is (p * vs) @ v. int8 and fp8 e4m3 values
+            # convert to bf16 exactly, so the MXU takes q's dtype (v5e has no int8 x bf16).
+            k_scale, v_scale = scale_rows(p, slot, pages)
+            k = k.astype(jnp.float32)
+            v = k if not aligned else v.astype(jnp.float32)
+            if jnp.issubdtype(kv_buf.dtype, jnp.floating):  # fp8 garbage may be NaN; int8 not
+                v = jnp.where(v_ok, v, 0.0)
+            k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
         logits = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32) * sm_scale
+                                 preferred_element_type=jnp.float32)
+        if quantized:  # keys out of range have scale 0 (scale_rows); masked below anyway
+            logits = logits * k_scale
+        logits = logits * sm_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         tok = t0 + lax.broadcasted_iota(jnp.int32, logits.shape, 0) // group
@@ -199,7 +280,7 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
         mask = (tok >= s.q_start) & (tok < s.q_end) & (key <= pos) & (key < s.key_hi)
         if sliding_window is not None:
             mask &= pos - key < sliding_window
-        logits = jnp.where(mask, logits, _MASKED)
+        logits = jnp.where(mask, logits, _MASKED)  # after scaling: NaN * scale stays masked
         m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
         m_next = jnp.maximum(m_prev, logits.max(axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_next)
@@ -207,9 +288,12 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
         m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
         l_ref[...] = jnp.broadcast_to(alpha * l_prev + p_rk.sum(axis=1, keepdims=True),
                                       l_ref.shape)
-        v_key = j * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        v_ok = (v_key >= s.key_lo) & (v_key < s.key_hi)  # select in f32: v5e has no bf16 VPU
-        v = jnp.where(v_ok, v.astype(jnp.float32), 0.0).astype(kv_buf.dtype)
+        if quantized:
+            # v_scale is 0 for every key out of range (never NaN there): p * v_scale is 0 for
+            # them, and the softmax denominator above uses the unscaled p.
+            p_rk = p_rk * v_scale
+        else:
+            v = jnp.where(v_ok, v.astype(jnp.float32), 0.0).astype(kv_buf.dtype)
         acc_ref[...] = alpha * acc_ref[...] + lax.dot_general(
             p_rk.astype(v.dtype), v, (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32)
@@ -223,6 +307,10 @@ def _kernel(meta_ref, kv_lens_ref, cu_ref,  # SMEM: i32[2], i32[B], i32[B+1]
                 jnp.where((lo < hi) & ~right, mid, hi))
 
     b_first, _ = lax.fori_loop(0, max_seqs.bit_length(), bisect, (jnp.int32(0), num_seqs))
+    if quantized:  # F of scale_rows, built once per step (its iotas would cost every block)
+        fold = (lax.broadcasted_iota(jnp.int32, fold_ref.shape, 0) % page_size
+                == lax.broadcasted_iota(jnp.int32, fold_ref.shape, 1) % page_size)
+        fold_ref[...] = fold.astype(jnp.float32).astype(fold_ref.dtype)
     m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -286,32 +374,45 @@ def ragged_pallas_call(
     kv_lens,  # i32[B]
     cu_q_lens,  # i32[B + 1]
     meta,  # i32[2]  (num_seqs, layer)
+    kv_scales=None,  # i32[L, K, P / Gs, Ws]: scale rows of quantized pages (or None)
     *, group, num_q_per_block, pages_per_block, sm_scale, soft_cap, sliding_window,
     vmem_limit_bytes,
 ):
-    """One pallas_call over the (q block, kv head) grid -> [K, T_pad * G, E]."""
+    """One pallas_call over the (q block, kv head) grid -> [K, T_pad * G, E].
+
+    ``kv_scales`` (quantized pages only): the scale words as rows of Ws = Gs * S words, Gs
+    consecutive pages per row (``quant.scale_rows_shape``)."""
     num_kv_heads, num_rows, lanes = q_kre.shape
     page_size, d2 = kv_pages.shape[3:]
     pages_per_row = page_table.shape[1]
     rows = num_q_per_block * group
     bk = pages_per_block * page_size
     table = _table_for_dma(page_table)
+    quantized = kv_scales is not None
     q_block = pl.BlockSpec((None, rows, lanes), lambda qb, kh, *_: (kh, qb, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)  # pages and table stay in HBM; DMA'd on demand
     kernel = functools.partial(
         _kernel, group=group, pages_per_block=pages_per_block, pages_per_row=pages_per_row,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        quantized=quantized)
+    scale_buffer = []
+    if quantized:  # the scale rows of the block's pages, double-buffered like the pages; F
+        scale_width = kv_scales.shape[-1]
+        scale_buffer = [pltpu.VMEM((2, pages_per_block, scale_width), jnp.int32),
+                        pltpu.VMEM((scale_width, bk), jnp.bfloat16)]
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_rows // rows, num_kv_heads),
-            in_specs=[q_block, in_hbm, in_hbm],
+            in_specs=[q_block, in_hbm, in_hbm] + ([in_hbm] if quantized else []),
             out_specs=q_block,
             scratch_shapes=[
                 pltpu.VMEM((2, bk, d2), kv_pages.dtype),  # K|V double buffer
+                *scale_buffer,
                 pltpu.SMEM((2, *table_window(*table.shape)), jnp.int32),  # table windows
-                pltpu.SemaphoreType.DMA((2, 2)),  # [pages/table, slot]
+                # [pages, table, scales (quantized)] x slot
+                pltpu.SemaphoreType.DMA((3 if quantized else 2, 2)),
                 pltpu.VMEM((rows, _LANES), jnp.float32),  # m: running row max
                 pltpu.VMEM((rows, _LANES), jnp.float32),  # l: running softmax denominator
                 pltpu.VMEM((rows, lanes), jnp.float32),  # acc: unnormalised output
@@ -321,4 +422,5 @@ def ragged_pallas_call(
             dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
         out_shape=jax.ShapeDtypeStruct(q_kre.shape, q_kre.dtype),
         name="ragged_paged_attention_tpu",
-    )(meta, kv_lens, cu_q_lens, q_kre, kv_pages, table)
+    )(meta, kv_lens, cu_q_lens, q_kre, kv_pages, table,
+      *([kv_scales] if quantized else []))

@@ -7,6 +7,11 @@ The public, jitted entry points: static validation (each error names its argumen
 block sizes (``tpu_block_sizes``) and the q layout around the kernel; the kernel itself and its
 design notes are in ``tpu_ragged_kernel``. Semantics are those of
 ``reference.ragged_paged_attention_reference``.
+
+Quantized pages (int8, float8_e4m3fn, ``quant.py``) take ``kv_scales``: the pool's scale array
+(``quant.scale_rows_shape``: 128 words a row, the layout the kernel reads in place on TPU, one
+DMA of one row per page), or the words per page ``[..., P, S]``, which are reshaped to it first:
+on TPU that copies them (XLA stores that shape page-minor) on every call.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tpu_block_sizes
+from pallas_kernels.quant import is_quantized, scale_rows_shape
+from pallas_kernels.quant import to_scale_rows as tpu_scale_rows
 from pallas_kernels.tpu_ragged_kernel import (
     MAX_PAGES_PER_BLOCK,
     ragged_pallas_call,
@@ -32,13 +39,27 @@ def _check(ok: bool, name: str, msg: str) -> None:
 
 def _validate(q, kv_pages, page_table, kv_lens, cu_q_lens, num_seqs, layer, *, sm_scale,
               soft_cap, sliding_window, num_q_per_block, pages_per_block,
-              vmem_limit_bytes) -> None:
+              vmem_limit_bytes, kv_scales) -> None:
     """Static checks (shapes, dtypes, knobs); each error names the offending argument."""
     _check(q.ndim == 3, "q", f"expected [T, H, D], got shape {q.shape}")
     _check(kv_pages.ndim in (4, 5), "kv_pages",
            f"expected [K, P, S, 2D] or [L, K, P, S, 2D], got shape {kv_pages.shape}")
-    _check(kv_pages.dtype == q.dtype, "kv_pages",
-           f"dtype {kv_pages.dtype} != q dtype {q.dtype}")
+    quantized = is_quantized(kv_pages.dtype)
+    if quantized:
+        _check(jnp.issubdtype(q.dtype, jnp.floating) and not is_quantized(q.dtype), "q",
+               f"dtype {q.dtype}: quantized {kv_pages.dtype} pages need a float compute dtype")
+    else:
+        _check(kv_pages.dtype == q.dtype, "kv_pages",
+               f"dtype {kv_pages.dtype} != q dtype {q.dtype}")
+    _check(quantized == (kv_scales is not None), "kv_scales",
+           f"{kv_pages.dtype} pages " + ("need i32 scales (int8, float8_e4m3fn pages carry "
+                                         "them)" if quantized else "take no scales"))
+    if kv_scales is not None:
+        shapes = {tuple(kv_pages.shape[:-1]), scale_rows_shape(kv_pages.shape)}
+        _check(kv_scales.dtype == jnp.int32 and tuple(kv_scales.shape) in shapes, "kv_scales",
+               f"expected i32{list(kv_pages.shape[:-1])} (one word per page slot) or "
+               f"i32{list(scale_rows_shape(kv_pages.shape))} (the same words in TPU rows), "
+               f"got {kv_scales.dtype}{list(kv_scales.shape)}")
     t, h, d = q.shape
     num_kv_heads, _, page_size, d2 = kv_pages.shape[-4:]
     _check(d2 == 2 * d, "kv_pages", f"last dim {d2} != 2 * q head_dim {d} (keys, then values)")
@@ -95,21 +116,32 @@ def ragged_paged_attention_tpu(
     num_q_per_block: int | None = None,  # Tq; on TPU keep Tq * G a multiple of the sublane tile
     pages_per_block: int | None = None,  # N
     vmem_limit_bytes: int | None = None,
+    kv_scales=None,  # i32[K, P, S] / [L, K, P, S], or scale_rows_shape: quantized pages' scales
 ):
     """Ragged causal attention of new tokens over a paged KV cache on TPU -> [T, H, D].
 
     Same semantics as ``ragged_paged_attention_reference``; tokens past ``cu_q_lens[num_seqs]``
     return zeros. Page ids and ``layer`` are clamped into the pool, and every SMEM index is
     bounded, so malformed lengths give wrong numbers for their own rows, never a stray read.
+
+    Quantized pages (int8, float8_e4m3fn; page_size a multiple of 32) come with ``kv_scales``
+    (``quant.py``) and are dequantized in the kernel's inner loop; q (and the output) stay in
+    the compute dtype. Scales in ``scale_rows_shape`` are read in place; in the
+    ``[..., P, S]`` shape of ``quant.py`` they are reshaped to it first, which on TPU copies
+    them (XLA stores that shape page-minor) on every call.
     """
     _validate(q, kv_pages, page_table, kv_lens, cu_q_lens, num_seqs, layer,
               sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
               num_q_per_block=num_q_per_block, pages_per_block=pages_per_block,
-              vmem_limit_bytes=vmem_limit_bytes)
+              vmem_limit_bytes=vmem_limit_bytes, kv_scales=kv_scales)
     t, h, d = q.shape
+    page_size = kv_pages.shape[-2]
+    if kv_scales is not None and kv_scales.shape == kv_pages.shape[:-1]:
+        kv_scales = tpu_scale_rows(kv_scales)
     if kv_pages.ndim == 4:  # a unit layer axis is a free bitcast; one kernel serves both layouts
         kv_pages, layer = kv_pages[None], 0
-    num_kv_heads, _, page_size, _ = kv_pages.shape[1:]
+        kv_scales = None if kv_scales is None else kv_scales[None]
+    num_kv_heads = kv_pages.shape[1]
     g = h // num_kv_heads
     tq = num_q_per_block or tpu_block_sizes.default_num_q_per_block(t, g, q.dtype)
     n = pages_per_block or tpu_block_sizes.default_pages_per_block(
@@ -121,8 +153,8 @@ def ragged_paged_attention_tpu(
         num_kv_heads, t_pad * g, lanes)
     meta = jnp.stack([num_seqs.reshape(()), jnp.asarray(layer, jnp.int32)])
     out_kre = ragged_pallas_call(
-        q_kre, kv_pages, page_table, kv_lens, cu_q_lens, meta, group=g, num_q_per_block=tq,
-        pages_per_block=n, sm_scale=sm_scale, soft_cap=soft_cap,
+        q_kre, kv_pages, page_table, kv_lens, cu_q_lens, meta, kv_scales, group=g,
+        num_q_per_block=tq, pages_per_block=n, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, vmem_limit_bytes=vmem_limit_bytes)
     out_the = out_kre.reshape(num_kv_heads, t_pad, g, lanes).transpose(1, 0, 2, 3)
     return out_the.reshape(t_pad, h, lanes)[:t, :, lanes - d:]  # P @ V: the last D lanes
@@ -144,6 +176,7 @@ def paged_decode_attention_tpu(
     num_q_per_block: int | None = None,  # sequences per q block
     pages_per_block: int | None = None,  # N
     vmem_limit_bytes: int | None = None,
+    kv_scales=None,  # as for ragged_paged_attention_tpu
 ):
     """Decode attention (one query per sequence): the ragged kernel with cu_q_lens = arange."""
     b = page_table.shape[0]
@@ -154,7 +187,8 @@ def paged_decode_attention_tpu(
               jnp.int32(b))
     knobs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                  pages_per_block=pages_per_block, vmem_limit_bytes=vmem_limit_bytes)
-    _validate(*ragged, layer, num_q_per_block=num_q_per_block, **knobs)
+    _validate(*ragged, layer, num_q_per_block=num_q_per_block, kv_scales=kv_scales, **knobs)
     g = q.shape[1] // kv_pages.shape[-4]
     tq = num_q_per_block or tpu_block_sizes.default_decode_num_q_per_block(b, g, q.dtype)
-    return ragged_paged_attention_tpu(*ragged, layer=layer, num_q_per_block=tq, **knobs)
+    return ragged_paged_attention_tpu(*ragged, layer=layer, num_q_per_block=tq,
+                                      kv_scales=kv_scales, **knobs)

@@ -56,3 +56,67 @@ def test_bench_serve_small_run(capsys, tmp_path):
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("serve,", "offline"))]
     assert len(rows) == 2 and all(r[-7] == "3" for r in rows)  # 3 requests each
     assert (tmp_path / "s.png").exists()
+
+
+def test_kv_accuracy_small_run(capsys):
+    """KV quantization accuracy on the embedded model: two chunks of held text, 8 greedy
+    tokens; every kv dtype has a row, auto's errors are exactly 0, int8's stay small. (An
+    8-token prompt prefills with the decode step's program: 6 compiles, not 9.)"""
+    assert _load("kv_accuracy").main(["--models", "tiny", "--tokens", "128", "--chunk", "64",
+                                      "--new-tokens", "8", "--prompts", "1",
+                                      "--random-prompts", "8"]) == 0
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()]
+    rows = {c[0]: c[1:] for c in cells if len(c) == 10}
+    assert set(rows) == {"kv dtype", "---", "auto (float32)", "int8", "fp8_e4m3"}
+    assert rows["auto (float32)"][:3] == ["0", "0", "0"]
+    assert 0 < float(rows["int8"][0]) < 0.5  # max abs logit error
+    assert "reproduce: python scripts/kv_accuracy.py --models tiny --tokens 128" in out
+
+
+def test_bench_host_tier_small_run(capsys, tmp_path):
+    """Host tier off vs on on the embedded model, 4 conversations x 2 turns through a pool
+    that keeps about 1: identical greedy outputs, fewer prompt tokens recomputed with the
+    tier (the rest copied back from host memory), nothing compiled after warmup."""
+    assert _load("bench_host_tier").main([
+        "--conversations", "4", "--turns", "2", "--new-tokens", "4", "--pool-convs", "1",
+        "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
+        "--out", str(tmp_path / "h.png")]) == 0
+    out = capsys.readouterr().out
+    # host tier: recomputed, from device, from host, hit rate, preempt, wall s, out tok/s,
+    # host MiB, host max, compiles
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()
+            if ln.startswith(("off ", "on ")) and len(ln.split()) == 11}
+    assert set(rows) == {"off", "on"}
+    off, on = ({k: int(r[i]) for k, i in (("computed", 0), ("host", 2), ("compiles", 9))}
+               for r in (rows["off"], rows["on"]))
+    assert on["computed"] < off["computed"] and on["host"] > 0 and off["host"] == 0
+    assert off["compiles"] == on["compiles"] == 0
+    turns = [ln.split()[0] for ln in out.splitlines() if "|" in ln and ln.split()[0].isdigit()]
+    assert turns == ["1", "2"]
+    assert "greedy outputs identical (host tier off vs on): True (8/8 requests)" in out
+    assert "reproduce: python scripts/bench_host_tier.py --model tiny --conversations 4" in out
+    assert (tmp_path / "h.png").exists()
+
+
+def test_kv_capacity_small_run(capsys, tmp_path):
+    """The capacity tables from the calculator (three presets) and the embedded model's own
+    pool: int8 holds 1.97x / 3.94x the tokens of bf16 / fp32 at head_dim 128, the engine's
+    bytes per token equal the calculator's, a 70B model is split over 2 devices."""
+    assert _load("kv_capacity").main([
+        "--models", "smollm2-135m", "llama-3-8b", "llama-2-70b", "--engine-models", "tiny",
+        "--engine-mib", "8", "--out", str(tmp_path / "k.png")]) == 0
+    out = capsys.readouterr().out
+    lines = [ln.split() for ln in out.splitlines()]
+    per_token = {ln[0]: ln for ln in lines if len(ln) == 11 and ln[-1] in ("yes", "no")}
+    assert set(per_token) == {"smollm2-135m", "llama-3-8b", "llama-2-70b"}
+    assert per_token["llama-3-8b"][-3:] == ["1.97x", "3.94x", "yes"]
+    assert per_token["llama-3-8b"][7] == "66,560"  # int8 bytes per token: 32 * 8 * (256 + 4)
+    assert per_token["llama-2-70b"][2] == "2"  # tp
+    seqs = [ln for ln in lines if len(ln) == 8 and ln[2] in ("4096", "32768")]
+    assert len(seqs) == 6
+    assert "tiny (head_dim 32): engine bytes/token = calculator: True" in out
+    engine = {ln[0]: ln for ln in lines if len(ln) == 8 and ln[0] in ("fp32", "bf16", "int8")}
+    assert [engine[d][1] for d in ("fp32", "bf16", "int8")] == ["2,048", "1,024", "544"]
+    assert "reproduce: python scripts/kv_capacity.py --models smollm2-135m llama-3-8b" in out
+    assert (tmp_path / "k.png").exists()

@@ -154,3 +154,18 @@ def test_a_failed_continuation_fails_only_requests_still_running(tiny_model, tin
     final = drive(engine)
     assert final["a"].outputs[0].finish_reason == "length"
     assert engine.stats().kv_pages_used == 0
+
+
+def test_a_last_one_token_prompt_chunk_counts_as_prompt(tiny_model):
+    """33 prompt tokens with a budget of 16: the last chunk is one token, which runs as a
+    decode row (here in a decode loop) and still counts as a computed prompt token."""
+    engine = Engine(tiny_model, num_pages=32, page_size=4, max_num_batched_tokens=16,
+                    max_num_seqs=2, max_model_len=64)
+    engine.add_request("a", prompt_token_ids=list(range(4, 37)),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=5,
+                                                      ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert stats.prompt_tokens == 33
+    assert stats.cached_prompt_tokens + stats.computed_prompt_tokens == 33, stats

@@ -38,8 +38,10 @@ def transformers_gguf(path: Path):
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen3",
-                                  pytest.param("mistral_swa", marks=pytest.mark.slow)])
+# `make test` loads one architecture; the other three (qwen2's bias, qwen3's q/k norm, mistral's
+# window) run under -m slow.
+@pytest.mark.parametrize("name", ["llama_gqa", *(pytest.param(n, marks=pytest.mark.slow)
+                                                 for n in ("qwen2", "qwen3", "mistral_swa"))])
 def test_each_architecture_loads_as_transformers_loads_it(name, tmp_path):
     hf = build_hf_model(name)
     path = write_gguf(hf, tmp_path / f"{name}.gguf")

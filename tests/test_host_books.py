@@ -3,8 +3,10 @@ PageAllocator drive a fake device that records, for every (page, offset), which 
 prefix's KV it holds (the salt and the tokens up to that position).
 
 After every step: every row reads, at each cached position, exactly its own prefix; every
-radix node's pages hold its tokens; page copies read their sources before anything is
-poisoned (the NaN debug mode: freed pages hold POISON); `check()` balances. Traces: page sizes
+radix node's pages (device pages, or host slots for entries moved to the host tier) hold its
+tokens; the host tier's copies run in the order the cache queued them; page copies read their
+sources before anything is poisoned (the NaN debug mode: freed pages hold POISON); `check()`
+balances. Traces: page sizes
 1-16, n up to 3, forks, aborts of waiting, running and forking requests, salts, EOS and
 min_tokens, and pools small enough to force eviction and preemption.
 """
@@ -26,9 +28,19 @@ POISON = ("poison",)
 class FakeDevice:
     """What the device's pages hold: contents[page][offset] = (salt, tokens[:position + 1])."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, host_slots: int = 0):
         self.s = page_size
         self.pages = [[None] * page_size for _ in range(num_pages)]
+        self.host = [[None] * page_size for _ in range(host_slots)]
+
+    def transfer(self, radix):
+        """As Engine._transfer: the host tier's saves and loads, in the order queued."""
+        for kind, src, dst in radix.take_transfers():
+            for a, b in zip(src, dst, strict=True):
+                if kind == "save":
+                    self.host[b] = list(self.pages[a])
+                else:
+                    self.pages[b] = list(self.host[a])
 
     def run(self, plan, allocator, poison: bool):
         # As Engine._launch: copies (all sources read first), then the poisoning, then rows.
@@ -61,7 +73,7 @@ class FakeDevice:
                 first = node.start // s
                 for pos in range(first * s, node.end):
                     page = node.pages[pos // s - first]
-                    got = self.pages[page][pos % s]
+                    got = (self.host if node.host else self.pages)[page][pos % s]
                     assert got == (salt, tuple(path[:pos + 1])), (
                         f"radix node {node.id} position {pos}: page {page} holds {got}")
                 stack += [(c, path + list(c.key)) for c in node.children.values()]
@@ -72,15 +84,16 @@ def traces(draw):
     page_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     vocab = draw(st.integers(4, 12))  # few ids: prompts share prefixes, EOS (1) comes up
     prefixes = [draw(st.lists(st.integers(2, vocab), min_size=1, max_size=20)) for _ in range(2)]
-    requests = []
+    requests, heads = [], [[], *prefixes]
     for _ in range(draw(st.integers(3, 8))):
-        head = draw(st.sampled_from([[], *prefixes]))
+        head = draw(st.sampled_from(heads))  # may be an earlier prompt: a next chat turn
+        heads.append(head + draw(st.lists(st.integers(2, vocab), min_size=1, max_size=12)))
         requests.append(dict(
-            prompt=head + draw(st.lists(st.integers(2, vocab), min_size=1, max_size=12)),
+            prompt=heads[-1],
             n=draw(st.integers(1, 3)), max_tokens=draw(st.integers(1, 12)),
             min_tokens=draw(st.sampled_from([0, 0, 2])), ignore_eos=draw(st.booleans()),
             salt=draw(st.sampled_from([None, None, "a", "b"])),
-            arrive=draw(st.integers(0, 4)),
+            arrive=draw(st.integers(0, 12)),
             abort=draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 10))),
         ))
     # Each request fits alone (all its samples' pages); together they must evict and preempt.
@@ -90,6 +103,7 @@ def traces(draw):
     return dict(page_size=page_size, vocab=vocab, num_pages=num_pages, requests=requests,
                 budget=draw(st.sampled_from([3, 8, 32])), max_seqs=draw(st.integers(3, 6)),
                 cache=draw(st.sampled_from([True, True, False])), poison=draw(st.booleans()),
+                host=draw(st.sampled_from([0, 0, 2, need, 4 * need])),
                 seed=draw(st.integers(0, 2**16)))
 
 
@@ -99,10 +113,11 @@ def _run(trace):
     rng = random.Random(trace["seed"])
     s = trace["page_size"]
     alloc = PageAllocator(trace["num_pages"], track_freed=trace["poison"])
-    radix = RadixCache(alloc, s) if trace["cache"] else None
+    host = PageAllocator(trace["host"]) if trace.get("host") else None
+    radix = RadixCache(alloc, s, host) if trace["cache"] else None
     sched = Scheduler(alloc, radix, page_size=s, max_num_seqs=trace["max_seqs"],
                       max_num_batched_tokens=trace["budget"], eos_token_ids=(EOS,))
-    device = FakeDevice(trace["num_pages"], s)
+    device = FakeDevice(trace["num_pages"], s, trace.get("host", 0))
     added, samples = {}, {}
     for step in range(600):
         for i, r in enumerate(trace["requests"]):
@@ -121,6 +136,8 @@ def _run(trace):
                     if not q.is_done:
                         sched.finish(q, "abort", 1.0)
         plan = sched.schedule()
+        if radix is not None:
+            device.transfer(radix)
         device.run(plan, alloc, trace["poison"])
         sampled = []
         for row in plan.rows:

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels import quant
 from pallas_kernels.gpu_paged_attention import (
     paged_decode_attention_gpu,
     ragged_paged_attention_gpu,
@@ -223,17 +224,23 @@ def test_random_ragged_batches(data):
     assert np.isfinite(np.asarray(got)).all()
 
 
-@pytest.mark.parametrize("group, head_dim, page_size, dtype, layers, opts", [
-    (1, 128, 16, jnp.bfloat16, 0, {}),
-    (8, 64, 8, jnp.bfloat16, 4, dict(soft_cap=30.0, sliding_window=100)),
-    (7, 128, 64, jnp.float32, 0, {}),
+@pytest.mark.parametrize("group, head_dim, page_size, dtype, layers, opts, kv_dtype", [
+    (1, 128, 16, jnp.bfloat16, 0, {}, None),
+    (8, 64, 8, jnp.bfloat16, 4, dict(soft_cap=30.0, sliding_window=100), None),
+    (7, 128, 64, jnp.float32, 0, {}, None),
+    (2, 64, 16, jnp.bfloat16, 0, {}, jnp.int8),  # quantized pages: the scale words too
+    (8, 128, 32, jnp.bfloat16, 4, {}, jnp.float8_e4m3fn),
 ])
-def test_lowers_to_triton_without_a_gpu(group, head_dim, page_size, dtype, layers, opts):
+def test_lowers_to_triton_without_a_gpu(group, head_dim, page_size, dtype, layers, opts,
+                                        kv_dtype):
     """Lowering for CUDA on a CPU host runs JAX's Pallas->Triton rules (power-of-two tensors,
     supported primitives); Triton's own compiler passes still need a GPU."""
     spec = jax.ShapeDtypeStruct
-    pages = spec(((layers,) if layers else ()) + (2, 50, page_size, 2 * head_dim), dtype)
-    more = dict(opts, layer=jnp.int32(1)) if layers else opts
+    lead = ((layers,) if layers else ()) + (2, 50, page_size)
+    pages = spec(lead + (2 * head_dim,), kv_dtype or dtype)
+    more = dict(opts, layer=jnp.int32(1)) if layers else dict(opts)
+    if kv_dtype is not None:
+        more["kv_scales"] = jnp.zeros(lead, jnp.int32)
     cases = [
         (paged_decode_attention_gpu, [spec((3, 2 * group, head_dim), dtype), pages,
                                       spec((3, 9), jnp.int32), spec((3,), jnp.int32)]),
@@ -260,6 +267,13 @@ def test_lowers_to_triton_without_a_gpu(group, head_dim, page_size, dtype, layer
     (dict(num_splits=0), "num_splits"),
     (dict(num_warps=3), "num_warps"),
     (dict(precision="fp32"), "precision"),
+    (dict(kv_pages=jnp.zeros((2, 9, 8, 128), jnp.int8)), "kv_scales"),  # quantized: scales needed
+    (dict(kv_pages=jnp.zeros((2, 9, 8, 128), jnp.float8_e4m3fn),
+          kv_scales=jnp.zeros((2, 9, 8), jnp.float32)), "kv_scales"),
+    (dict(kv_pages=jnp.zeros((2, 9, 8, 128), jnp.int8), kv_scales=jnp.zeros((2, 9), jnp.int32)),
+     "kv_scales"),
+    (dict(kv_scales=jnp.zeros((2, 9, 8), jnp.int32)), "kv_scales"),  # scales of float pages
+    (dict(kv_pages=jnp.zeros((2, 9, 8, 128), jnp.int16)), "kv_pages dtype"),
 ])
 def test_decode_static_checks_name_the_argument(change, match):
     args = dict(q=jnp.zeros((6, 2, 64)), kv_pages=jnp.zeros((2, 9, 8, 128)),
@@ -276,6 +290,9 @@ def test_decode_static_checks_name_the_argument(change, match):
     (dict(block_q=6), "block_q"),
     (dict(block_q=2), "block_q"),  # 2 tokens x 1 head < the 16-row tl.dot minimum
     (dict(kv_pages=jnp.zeros((1, 2, 9, 8, 128))), "layer"),
+    (dict(kv_pages=jnp.zeros((2, 9, 8, 128), jnp.int8)), "kv_scales"),
+    (dict(kv_pages=jnp.zeros((1, 2, 9, 8, 128), jnp.int8), layer=0,
+          kv_scales=jnp.zeros((2, 9, 8), jnp.int32)), "kv_scales"),  # 4-D scales, 5-D pages
 ])
 def test_ragged_static_checks_name_the_argument(change, match):
     args = dict(q=jnp.zeros((5, 2, 64)), kv_pages=jnp.zeros((2, 9, 8, 128)),
@@ -285,6 +302,70 @@ def test_ragged_static_checks_name_the_argument(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         ragged(**args)
+
+
+def _quantize_poisoned(kv, table, lens, *, page_size, kv_dtype, layer=None):
+    """A float pool quantized as the engine writes it (``quant.quantize_kv``), with every slot
+    no sequence holds (unowned pages, the tail of a last page, other layers) poisoned: NaN
+    scale words, and NaN values too where the format has them (fp8)."""
+    d = kv.shape[-1] // 2
+    pages, scales = quant.quantize_kv(kv[..., :d], kv[..., d:], kv_dtype)
+    live = np.zeros(kv.shape[-3:-1], bool)  # [P, S]
+    for row, n in enumerate(lens):
+        pos = np.arange(n)
+        live[np.asarray(table)[row, pos // page_size], pos % page_size] = True
+    live = np.broadcast_to(live, scales.shape).copy()
+    if layer is not None:
+        live[np.arange(kv.shape[0]) != layer] = False
+    live = jnp.asarray(live)
+    scales = jnp.where(live, scales, jnp.int32(quant.NAN_SCALES))
+    if kv_dtype == jnp.float8_e4m3fn:
+        pages = jnp.where(live[..., None], pages, jnp.asarray(jnp.nan, kv_dtype))
+    return pages, scales
+
+
+# (page_size, kv_heads, group, head_dim), q dtype, page dtype, layers: GQA 1 (the decode
+# broadcast path) and 8 (tl.dot), head_dim 64 and 128, 4-D and 5-D pages; fp8 on the broadcast
+# path with the slow tests (each case compiles six functions in interpret mode).
+QUANT_CASES = [
+    pytest.param(CONFIGS[0], jnp.float32, jnp.int8, 0, id="int8-f32-G1-D64-4D"),
+    pytest.param((16, 1, 8, 128), jnp.bfloat16, jnp.float8_e4m3fn, 3, id="fp8-bf16-G8-D128-5D"),
+    pytest.param((16, 2, 4, 64), jnp.float32, jnp.float8_e4m3fn, 0, id="fp8-f32-G4-D64-4D",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("cfg, dtype, kv_dtype, layers", QUANT_CASES)
+def test_quantized_pages_match_reference(cfg, dtype, kv_dtype, layers):
+    """int8/fp8 pages and their scale words, dequantized inside the kernels: against the
+    reference given the same (pages, scales), which itself equals the reference on the
+    dequantized float pool; NaN-poisoned stale slots never reach the output."""
+    s = cfg[0]
+    rng = np.random.default_rng(12)
+    layer = 1 if layers else None
+    more = dict(layer=jnp.int32(1)) if layers else {}
+
+    q, kv, table, lens = _decode_case(rng, cfg, layers=layers)
+    q = q.astype(dtype)
+    pages, scales = _quantize_poisoned(kv, table, np.asarray(lens), page_size=s,
+                                       kv_dtype=kv_dtype, layer=layer)
+    got = decode(q, pages, table, lens, kv_scales=scales, **more)
+    want = decode_ref(q, pages, table, lens, sm_scale=SCALE, kv_scales=scales, **more)
+    assert got.dtype == dtype and np.isfinite(np.asarray(got, np.float32)).all()
+    _assert_close(got, want, dtype)
+    _assert_close(want, decode_ref(q, quant.dequantize_pages(pages, scales), table, lens,
+                                   sm_scale=SCALE, **more).astype(dtype), dtype)
+
+    q, kv, table, kv_lens, cu, n = _ragged_case(rng, cfg, layers=layers)
+    q = q.astype(dtype)
+    pages, scales = _quantize_poisoned(kv, table, np.asarray(kv_lens)[:int(n)], page_size=s,
+                                       kv_dtype=kv_dtype, layer=layer)
+    got = ragged(q, pages, table, kv_lens, cu, n, kv_scales=scales, **more)
+    want = ragged_ref(q, pages, table, kv_lens, cu, n, sm_scale=SCALE, kv_scales=scales, **more)
+    assert got.dtype == dtype and np.isfinite(np.asarray(got, np.float32)).all()
+    _assert_close(got, want, dtype)
+    _assert_close(want, ragged_ref(q, quant.dequantize_pages(pages, scales), table, kv_lens, cu,
+                                   n, sm_scale=SCALE, **more).astype(dtype), dtype)
 
 
 @pytest.mark.slow

@@ -28,16 +28,18 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interprete
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import reference
+from pallas_kernels import quant, reference
 from pallas_kernels.tpu_ragged_paged_attention import (
     paged_decode_attention_tpu,
     ragged_paged_attention_tpu,
+    scale_rows_shape,
+    tpu_scale_rows,
 )
 
 RACES = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager", vector_clock_size=64)
 TWO_CORES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=7)
 # Jitted: op-by-op the reference spends seconds compiling dozens of tiny XLA programs per shape.
-_STATIC = ("sm_scale", "soft_cap", "sliding_window")
+_STATIC = ("sm_scale", "soft_cap", "sliding_window", "layer")
 ragged_paged_attention_reference = jax.jit(reference.ragged_paged_attention_reference,
                                            static_argnames=_STATIC)
 paged_decode_attention_reference = jax.jit(reference.paged_decode_attention_reference,
@@ -259,6 +261,101 @@ def test_decode_wrapper_matches_reference_decode():
     np.testing.assert_array_equal(np.asarray(out[b - 1]), 0.0)
 
 
+def quantize_batch(batch: Batch, dtype, *, poison: bool):
+    """The batch's f32 pages quantized to ``dtype`` -> (pages, i32 scale words), both with the
+    pages' leading axes. ``poison``: every slot no live sequence owns (pages of nobody, of
+    padding rows, and past kv_len) gets NaN scale words (``quant.NAN_SCALES``) and, for fp8,
+    NaN values: none of it may reach the output."""
+    kv = np.asarray(batch.kv_pages, np.float32)
+    d = kv.shape[-1] // 2
+    flat = kv.reshape(-1, 1, 2 * d)
+    pages, scales = quant.quantize_kv(jnp.asarray(flat[..., :d]), jnp.asarray(flat[..., d:]),
+                                      dtype)
+    pages = np.array(pages).reshape(kv.shape)
+    scales = np.array(scales).reshape(kv.shape[:-1])
+    if poison:
+        s = kv.shape[-2]
+        owned = np.zeros(kv.shape[-3:-1], bool)  # [P, S]
+        table, lens = np.asarray(batch.page_table), np.asarray(batch.kv_lens)
+        for row in range(int(batch.num_seqs)):
+            for key in range(int(lens[row])):
+                owned[table[row, key // s], key % s] = True
+        scales[..., ~owned] = quant.NAN_SCALES
+        if jnp.issubdtype(dtype, jnp.floating):
+            pages[..., ~owned, :] = np.nan
+        # whole pages nobody owns, and owned pages with stale slots past kv_len
+        assert (~owned).all(axis=1).any() and (owned.any(axis=1) & ~owned.all(axis=1)).any()
+    return jnp.asarray(pages), jnp.asarray(scales)
+
+
+QUANT_TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 q and output; the reference computes in f32
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,kv_heads,group,layers,knobs", [
+    (jnp.int8, 64, 2, 1, None, dict(num_q_per_block=8, pages_per_block=2)),
+    (jnp.int8, 128, 1, 8, 2, dict(num_q_per_block=2, pages_per_block=1)),
+    (jnp.float8_e4m3fn, 64, 1, 4, 2, dict(num_q_per_block=4, pages_per_block=3)),
+    (jnp.float8_e4m3fn, 128, 2, 2, None, {}),  # default block sizes
+])
+def test_quantized_pages_match_reference(kv_dtype, head_dim, kv_heads, group, layers, knobs):
+    """int8 / fp8 pages of 32 slots dequantized in the kernel, against the reference given
+    the same pages and scales (itself checked against the reference on dequantized pages).
+    Scale words of unowned slots are NaN; pages_per_block 1 and 3 put a block's pages at every
+    offset inside their 128-word scale rows. 5-D cases run on two simulated cores with lazy
+    DMAs (a scale read before its wait would see NaN)."""
+    s = 32
+    batch = make_batch(s + head_dim, mixed_seqs(s), page_size=s, kv_heads=kv_heads, group=group,
+                       head_dim=head_dim, layers=layers)
+    pages, scales = quantize_batch(batch, kv_dtype, poison=True)
+    q = batch.q.astype(jnp.bfloat16)
+    rest = batch.args[2:]
+    kw = dict(sm_scale=head_dim ** -0.5, layer=None if layers is None else 1)
+    out = run_interpreted(ragged_paged_attention_tpu, q, pages, *rest, kv_scales=scales,
+                          params=RACES if layers is None else TWO_CORES, **knobs, **kw)
+    assert out.dtype == jnp.bfloat16
+    want = ragged_paged_attention_reference(q, pages, *rest, kv_scales=scales, **kw)
+    assert_matches(out, want, batch, jnp.bfloat16)
+    dequantized = ragged_paged_attention_reference(q, quant.dequantize_pages(pages, scales),
+                                                   *rest, **kw)
+    np.testing.assert_allclose(np.asarray(want, np.float32), np.asarray(dequantized, np.float32),
+                               atol=1e-6, rtol=1e-6)
+    if not knobs:  # the same words as TPU scale rows: the same kernel run, bit for bit
+        rows = tpu_scale_rows(scales)
+        assert rows.shape == scale_rows_shape(pages.shape) == (kv_heads, pages.shape[1] // 4
+                                                                + 1, 128)
+        again = run_interpreted(ragged_paged_attention_tpu, q, pages, *rest, kv_scales=rows,
+                                **kw)
+        np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,q_dtype", [
+    (jnp.int8, 64, jnp.float32), (jnp.float8_e4m3fn, 128, jnp.bfloat16)])
+def test_quantized_decode_matches_reference(kv_dtype, head_dim, q_dtype):
+    """Decode over 5-D quantized pages with GQA 4, a sliding window and a padding row; with
+    f32 compute the kernel's int8 keys and values enter the MXU as f32."""
+    s, b = 32, 5
+    batch = make_batch(9, [(1, n) for n in (1, s, s + 1, 3 * s + 2)], page_size=s,
+                       kv_heads=2, group=4, head_dim=head_dim, num_rows=b, layers=2)
+    lengths = batch.kv_lens.at[b - 1].set(0)
+    pages, scales = quantize_batch(dataclasses.replace(batch, kv_lens=lengths), kv_dtype,
+                                   poison=True)
+    q = batch.q[:b].astype(q_dtype)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=s + 7, layer=0)
+    out = run_interpreted(paged_decode_attention_tpu, q, pages, batch.page_table, lengths,
+                          kv_scales=scales, **kw)
+    assert out.dtype == q_dtype
+    want = paged_decode_attention_reference(q, pages, batch.page_table, lengths,
+                                            kv_scales=scales, **kw)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               **(QUANT_TOL if q_dtype == jnp.bfloat16 else TOL[q_dtype]))
+    np.testing.assert_array_equal(np.asarray(out[b - 1], np.float32), 0.0)
+    dequantized = paged_decode_attention_reference(
+        q, quant.dequantize_pages(pages, scales), batch.page_table, lengths, **kw)
+    np.testing.assert_allclose(np.asarray(want, np.float32), np.asarray(dequantized, np.float32),
+                               atol=1e-6, rtol=1e-6)
+
+
 @st.composite
 def ragged_batches(draw, *, rows=4, tokens=12, max_keys=32):
     n = draw(st.integers(1, rows))
@@ -312,6 +409,19 @@ def _valid_args():
     ("page_table", dict(page_table=jnp.zeros((70_000, 2), jnp.int32),
                         kv_lens=jnp.zeros(70_000, jnp.int32),
                         cu_q_lens=jnp.zeros(70_001, jnp.int32))),  # SMEM: kv_lens, cu_q_lens
+    # Quantized pages (page_size 32: the int8 / fp8 sublane tile).
+    ("kv_scales", dict(kv_pages=jnp.zeros((2, 4, 32, 32), jnp.int8))),  # missing
+    ("kv_scales", dict(kv_scales=jnp.zeros((2, 4, 8), jnp.int32))),  # f32 pages take none
+    ("kv_scales", dict(kv_pages=jnp.zeros((2, 4, 32, 32), jnp.float8_e4m3fn),
+                       kv_scales=jnp.zeros((2, 4, 32), jnp.float32))),  # not i32
+    ("kv_scales", dict(kv_pages=jnp.zeros((2, 4, 32, 32), jnp.int8),
+                       kv_scales=jnp.zeros((2, 4, 16), jnp.int32))),  # not [K, P, S]
+    ("kv_scales", dict(kv_pages=jnp.zeros((2, 4, 32, 32), jnp.int8),
+                       kv_scales=jnp.zeros((2, 2, 128), jnp.int32))),  # rows: P / 4 = 1
+    ("kv_pages", dict(kv_pages=jnp.zeros((2, 4, 16, 32), jnp.int8),
+                      kv_scales=jnp.zeros((2, 4, 16), jnp.int32))),  # 16 < int8 tile 32
+    ("q", dict(q=jnp.zeros((4, 4, 16), jnp.int8), kv_pages=jnp.zeros((2, 4, 32, 32), jnp.int8),
+               kv_scales=jnp.zeros((2, 4, 32), jnp.int32))),  # q: the compute dtype
 ])
 def test_static_validation_names_the_argument(name, change):
     kw = {**_valid_args(), "sm_scale": 1.0, **change}
@@ -324,6 +434,9 @@ def test_static_validation_names_the_argument(name, change):
     ("lengths", dict(lengths=jnp.zeros(2, jnp.float32))),
     ("kv_pages", dict(kv_pages=jnp.zeros((4, 8, 32)))),
     ("sliding_window", dict(sliding_window=-3)),
+    ("kv_scales", dict(kv_pages=jnp.zeros((2, 4, 32, 32), jnp.int8))),
+    ("kv_scales", dict(kv_pages=jnp.zeros((2, 4, 32, 32), jnp.int8),
+                       kv_scales=jnp.zeros((1, 2, 4, 32), jnp.int32))),
 ])
 def test_decode_validation_names_the_argument(name, change):
     args = _valid_args()

@@ -59,7 +59,9 @@ def test_write_kv_places_tokens_and_drops_padding():
     v = -k
     page_t = jnp.array([2, 0, 5])  # the last token is padding (page index == P)
     offset_t = jnp.array([1, 3, 0])
-    out = np.asarray(write_kv(pages, 1, k, v, page_t, offset_t))
+    out, scales = write_kv(pages, 1, k, v, page_t, offset_t)
+    assert scales is None  # pages in the compute dtype carry no scales
+    out = np.asarray(out)
     np.testing.assert_array_equal(out[1, :, 2, 1, :2], np.asarray(k[0]))  # keys first
     np.testing.assert_array_equal(out[1, :, 2, 1, 2:], np.asarray(v[0]))  # then values
     np.testing.assert_array_equal(out[1, :, 0, 3], np.concatenate([k[1], v[1]], axis=-1))

@@ -55,7 +55,10 @@ def test_kv_bytes_linear():
 def test_dtype_changes_size_and_unknown_dtype():
     shape = PRESETS["llama-3-8b"]
     assert kv_bytes_per_token(shape, "fp32") == 2 * kv_bytes_per_token(shape, "bf16")
-    assert kv_bytes_per_token(shape, "int8") * 2 == kv_bytes_per_token(shape, "fp16")
+    # llama-3-8b: 32 layers x 8 kv heads; int8 holds 2 x 128 bytes plus a 4-byte scale word
+    assert kv_bytes_per_token(shape, "bf16") == 32 * 8 * 512
+    assert kv_bytes_per_token(shape, "int8") == 32 * 8 * (256 + 4)
+    assert kv_bytes_per_token(shape, "fp8_e4m3") == kv_bytes_per_token(shape, "int8")
     with pytest.raises(ValueError, match="float64"):
         memory.dtype_bytes("float64")
 
@@ -210,3 +213,13 @@ def test_memory_module_has_no_jax_import():
         elif isinstance(node, ast.ImportFrom):
             names.add((node.module or "").split(".")[0])
     assert names <= {"__future__", "dataclasses", "json", "math", "pathlib"}
+
+
+def test_memory_cli_counts_int8_scales(capsys):
+    assert main(["llama-3-8b", "--kv-dtype", "int8", "--context", "1000",
+                            "--hbm-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token (int8 (values + scales)): 66,560 bytes" in out  # 32 * 8 * 260
+    assert "KV for 1,000 tokens x 1 seq: 66,560,000 bytes" in out
+    assert "KV per token     66,560 bytes" in out  # the plan uses the KV dtype too
+    assert "llama-3-8b (bfloat16, KV int8)" in out

@@ -279,6 +279,7 @@ def test_a_full_queue_answers_429():
         s.close()
 
 
+@pytest.mark.slow  # a whole process and its compiles; the app itself is tested in-process above
 def test_jaxkv_serve_command_serves(tmp_path):
     """The installed command: `jaxkv serve` in its own process answers over HTTP."""
     import subprocess

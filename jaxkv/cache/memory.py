@@ -1,6 +1,8 @@
 """KV-cache memory planning, in plain Python (no jax).
 
-Each token keeps a key and a value per layer: 2 * layers * kv_heads * head_dim * dtype_bytes.
+Each token keeps a key and a value per layer: 2 * layers * kv_heads * head_dim * dtype_bytes,
+plus, for quantized KV (int8, fp8), one 4-byte word of scales per layer and kv head (a bfloat16
+key scale and value scale, ``pallas_kernels.quant``).
 Decode rereads the whole cache from HBM each step (bandwidth-bound), so KV capacity caps batch.
 Reserving max_model_len per sequence wastes the unused tail; paging wastes at most one partial page.
 """
@@ -16,8 +18,10 @@ DTYPE_BYTES = {
     "float32": 4, "fp32": 4,
     "bfloat16": 2, "bf16": 2,
     "float16": 2, "fp16": 2,
-    "int8": 1, "fp8": 1,
+    "int8": 1, "fp8": 1, "fp8_e4m3": 1,
 }
+QUANTIZED = ("int8", "fp8", "fp8_e4m3")
+SCALE_BYTES = 4  # per token, layer and kv head: a bf16 key scale and a bf16 value scale
 
 
 def dtype_bytes(name: str) -> int:
@@ -131,8 +135,12 @@ def resolve_model(name_or_path) -> ModelShape:
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str = "bfloat16") -> int:
-    """Key + value bytes one token occupies across all layers."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes(dtype)
+    """Key + value bytes one token occupies across all layers (scales included when
+    ``dtype`` is a quantized KV dtype)."""
+    per_head = 2 * shape.head_dim * dtype_bytes(dtype)
+    if str(dtype).lower() in QUANTIZED:
+        per_head += SCALE_BYTES
+    return shape.num_layers * shape.num_kv_heads * per_head
 
 
 def kv_bytes(shape: ModelShape, num_tokens: int, batch: int = 1, dtype: str = "bfloat16") -> int:
@@ -177,11 +185,13 @@ class CapacityPlan:
     paged_seqs: int
     paged_waste_fraction: float
     contiguous_waste_fraction: float
+    kv_dtype: str = ""  # the KV pages' dtype when it differs from the weights'
 
     def table(self) -> str:
         """A small aligned text table of the plan."""
         rows = [
-            ("model", f"{self.model} ({self.dtype})"),
+            ("model", f"{self.model} ({self.dtype}"
+                      + (f", KV {self.kv_dtype})" if self.kv_dtype != self.dtype else ")")),
             ("HBM", format_bytes(self.hbm_bytes)),
             ("weights", format_bytes(self.weight_bytes)),
             ("KV budget", format_bytes(self.kv_budget_bytes)),
@@ -201,8 +211,11 @@ class CapacityPlan:
 
 def plan_capacity(shape: ModelShape, hbm_bytes: int, *, dtype: str = "bfloat16",
                   max_model_len: int, avg_seq_len: int, page_size: int = 16,
-                  gpu_memory_utilization: float = 0.9) -> CapacityPlan:
-    """Compare contiguous max-length reservation with paging for one device."""
+                  gpu_memory_utilization: float = 0.9, kv_dtype: str | None = None
+                  ) -> CapacityPlan:
+    """Compare contiguous max-length reservation with paging for one device; weights in
+    ``dtype``, KV in ``kv_dtype`` (default: ``dtype``)."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     checks = [
         ("hbm_bytes", hbm_bytes, hbm_bytes > 0),
         ("max_model_len", max_model_len, max_model_len > 0),
@@ -216,7 +229,7 @@ def plan_capacity(shape: ModelShape, hbm_bytes: int, *, dtype: str = "bfloat16",
     if avg_seq_len > max_model_len:
         raise ValueError(
             f"invalid avg_seq_len: {avg_seq_len} exceeds max_model_len {max_model_len}")
-    per_token = kv_bytes_per_token(shape, dtype)
+    per_token = kv_bytes_per_token(shape, kv_dtype)
     weights = weight_bytes(shape, dtype)
     budget = max(0, int(hbm_bytes * gpu_memory_utilization) - weights)
     pages = -(-avg_seq_len // page_size)
@@ -229,6 +242,7 @@ def plan_capacity(shape: ModelShape, hbm_bytes: int, *, dtype: str = "bfloat16",
         paged_seqs=budget // (paged_tokens * per_token),
         paged_waste_fraction=(paged_tokens - avg_seq_len) / paged_tokens,
         contiguous_waste_fraction=(max_model_len - avg_seq_len) / max_model_len,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -249,7 +263,7 @@ class ShardedPlan:
 
 def plan_sharded(shape: ModelShape, tp: int, *, hbm_bytes: int, bandwidth: float,
                  dtype: str = "bfloat16", avg_seq_len: int = 2048, page_size: int = 16,
-                 utilization: float = 0.9) -> ShardedPlan:
+                 utilization: float = 0.9, kv_dtype: str | None = None) -> ShardedPlan:
     """Bytes per device, KV capacity and a bandwidth floor for a ``tp``-way split.
 
     Attention and MLP weights, embeddings and lm_head split ``tp`` ways; norm scales are
@@ -264,7 +278,7 @@ def plan_sharded(shape: ModelShape, tp: int, *, hbm_bytes: int, bandwidth: float
     norms = (2 * shape.num_layers + 1) * shape.hidden_size * b
     weights = (weight_bytes(shape, dtype) - norms) // tp + norms
     rep = max(1, tp // shape.num_kv_heads)
-    per_token = kv_bytes_per_token(shape, dtype) * rep // tp
+    per_token = kv_bytes_per_token(shape, dtype if kv_dtype is None else kv_dtype) * rep // tp
     budget = max(0, int(hbm_bytes * utilization) - weights)
     tokens = budget // per_token // page_size * page_size
     seqs = tokens // (-(-avg_seq_len // page_size) * page_size)

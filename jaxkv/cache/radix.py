@@ -10,6 +10,16 @@ inside a page, the parent and the child each hold a page for that index; the chi
 valid KV for the whole page up to its own end (it was copied from the parent's filled part, then
 extended), so a match takes each page index from the deepest matched node covering it. Unlike
 full-block caching (vLLM), a match may end anywhere, even mid-edge and mid-page.
+
+Host tier (optional, ``host_allocator``): when the device pool must evict, an LRU leaf whose
+pages only the cache holds is *demoted* instead of dropped: its pages are copied to slots of a
+host-memory pool and the node keeps the slots. A later query whose prefix runs into host nodes
+*promotes* them (`promote`): fresh device pages, contents copied back, no recomputation. Host
+nodes only ever hang below device nodes or other host nodes, never above a device node, so a
+device match is always a plain path from the root. The cache records each copy it needs in
+`transfers` (("save", device pages, host slots) or ("load", host slots, device pages)), in
+order; the engine carries them out before the step that reads or reuses those pages. When the
+host pool is full, its own LRU leaves are dropped: one LRU order across both tiers.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ class _Node:
     """One edge of the tree: tokens at positions [start, end) and their pages."""
 
     __slots__ = ("key", "start", "pages", "children", "parent", "lock", "holds", "last_access",
-                 "id", "alive")
+                 "id", "alive", "host")
 
     def __init__(self, key: list[int], start: int, pages: list[int], parent: _Node | None,
                  node_id: int):
@@ -53,6 +63,7 @@ class _Node:
         self.last_access = 0
         self.id = node_id  # breaks LRU ties deterministically
         self.alive = True  # False once evicted: a stale handle is an error
+        self.host = False  # pages are host-pool slots (demoted), not device pages
 
     @property
     def end(self) -> int:
@@ -63,23 +74,33 @@ class RadixCache:
     """Prefix cache: match_prefix / insert / lock / unlock / LRU evict, with its own page refs.
 
     The cache holds one allocator reference per (node, page) it stores; a page returns to the
-    free list only when the cache and every running request have dropped theirs.
+    free list only when the cache and every running request have dropped theirs. With a
+    ``host_allocator`` (slots of a host-memory pool), evicted entries move to the host tier.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 host_allocator: PageAllocator | None = None):
         if not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"RadixCache: page_size must be a positive int, got {page_size!r}")
         self.allocator = allocator
+        self.host = host_allocator
+        self.transfers: list[tuple[str, list[int], list[int]]] = []  # see the module docstring
         self.page_size = page_size
         self._roots: dict[str | None, _Node] = {}
         self._ids = itertools.count()
         self._clock = 0
         self._cached_tokens = 0
         self._held_pages = 0
+        self._host_held = 0  # host-slot references held by host nodes
+        self._host_tokens = 0
         self._stats = dict(query_tokens=0, hit_tokens=0, inserted_tokens=0, evicted_tokens=0,
-                           evicted_pages=0)
+                           evicted_pages=0, host_hit_tokens=0, host_saved_pages=0,
+                           host_loaded_pages=0, host_evicted_tokens=0)
         self.version = 0  # changes whenever entries are added or dropped: matches may differ
-        self._leaves: dict[int, _Node] = {}  # every non-root node without children, by id
+        # Device nodes none of whose children is on the device (without a host tier: every
+        # non-root node without children), and host nodes without children, by id.
+        self._leaves: dict[int, _Node] = {}
+        self._host_leaves: dict[int, _Node] = {}
 
     def match_prefix(self, tokens: Sequence[int], salt: str | None = None, *,
                      peek: bool = False) -> PrefixMatch:
@@ -114,7 +135,7 @@ class RadixCache:
         s, pos, pages = self.page_size, 0, []
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
-            if child is None:
+            if child is None or child.host:  # host nodes serve a match once promoted
                 break
             m = _common_len(child.key, tokens, pos)
             first, last = child.start // s, (child.start + m - 1) // s
@@ -172,6 +193,8 @@ class RadixCache:
                     node = child
                     break
                 child = self._split(child, m)
+            if child.host:  # the caller computed the same KV again: keep its device pages
+                self._adopt(child, pages)
             node, pos = child, pos + m
         self._touch(node)
         self._stats["inserted_tokens"] += added
@@ -182,8 +205,8 @@ class RadixCache:
         self.version += 1
         leaf = _Node(key, parent.end, pages, parent, next(self._ids))
         parent.children[key[0]] = leaf
-        self._leaves.pop(parent.id, None)
-        self._leaves[leaf.id] = leaf
+        self._reindex(parent)
+        self._reindex(leaf)
         self._cached_tokens += len(key)
         self._held_pages += len(pages)
         return leaf
@@ -199,24 +222,29 @@ class RadixCache:
         first = node.start // s
         upper = _Node(node.key[:m], node.start, node.pages[: (mid - 1) // s - first + 1],
                       node.parent, next(self._ids))
-        upper.lock, upper.last_access = node.lock, node.last_access
+        upper.lock, upper.last_access, upper.host = node.lock, node.last_access, node.host
         if mid % s:
-            self.allocator.share([node.pages[mid // s - first]])
-            self._held_pages += 1
+            self._tier(node).share([node.pages[mid // s - first]])
+            if node.host:
+                self._host_held += 1
+            else:
+                self._held_pages += 1
         node.pages = node.pages[mid // s - first:]
         node.key, node.start, node.parent = node.key[m:], mid, upper
         upper.children[node.key[0]] = node
         upper.parent.children[upper.key[0]] = upper
         return upper
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, *, demote: bool = True) -> int:
         """Drops least-recently-used unlocked leaves (or just their tails) until at least
         `num_pages` pages have returned to the free list, or nothing is evictable.
 
         A leaf (or the part of it) whose pages a running sequence still holds stays cached:
         evicting it would free nothing and lose the entry. (A leaf whose only page its parent
         also holds is dropped, freeing nothing yet: its parent then becomes evictable.)
-        Returns the number of pages that became free.
+        With a host tier (and ``demote``), a whole leaf moves to host slots instead of being
+        dropped, while the host pool has (or can free) room. Returns the number of device pages
+        that became free.
         """
         free_before = self.allocator.num_free
         heap = [(n.last_access, n.id, n) for n in self._leaves.values()
@@ -225,11 +253,14 @@ class RadixCache:
         freed = 0
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
+            if not leaf.alive or leaf.host or leaf.id not in self._leaves:
+                continue  # dropped or demoted as a host subtree meanwhile
             parent = leaf.parent
-            self._evict_leaf(leaf, num_pages - freed)
+            if not (demote and self.host is not None and self._demote(leaf)):
+                self._evict_leaf(leaf, num_pages - freed)
             freed = self.allocator.num_free - free_before
-            if (not leaf.alive and parent.parent is not None and not parent.children
-                    and parent.lock == 0 and self._frees(parent, len(parent.pages) - 1)):
+            if (parent.parent is not None and parent.id in self._leaves and parent.lock == 0
+                    and self._frees(parent, len(parent.pages) - 1)):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._stats["evicted_pages"] += freed
         # Drop namespaces left empty, so per-request salts do not accumulate roots.
@@ -240,8 +271,16 @@ class RadixCache:
     def clear(self) -> int:
         """Evicts every unlocked entry no running sequence holds pages of (the whole cache once
         nothing runs): for when the pages' contents were lost, after the running sequences
-        were sent back to wait. Returns the number of pages that became free."""
-        return self.evict(self.allocator.num_pages)
+        were sent back to wait. Nothing is demoted (the device contents are lost); host entries
+        below a dropped device entry go with it, and so does the rest of the host tier (a copy
+        to it may not have run). Returns the number of pages that became free."""
+        freed = self.evict(self.allocator.num_pages, demote=False)
+        if self.host is not None:
+            for root in self._roots.values():
+                for child in [c for c in root.children.values() if c.host]:
+                    self._drop_host_subtree(child)
+        self.transfers = []
+        return freed
 
     def _evict_leaf(self, leaf: _Node, need: int) -> None:
         """Drops the leaf's pages from the tail until `need` pages are free; if that is not
@@ -249,7 +288,8 @@ class RadixCache:
         s, free_before = self.page_size, self.allocator.num_free
         self.version += 1
         first = leaf.start // s
-        while (len(leaf.pages) > 1 and self.allocator.num_free - free_before < need
+        while (len(leaf.pages) > 1 and not leaf.children  # host children start at its end
+               and self.allocator.num_free - free_before < need
                and self._frees(leaf, len(leaf.pages) - 1)):
             self.allocator.free([leaf.pages.pop()])
             self._held_pages -= 1
@@ -260,6 +300,8 @@ class RadixCache:
         if self.allocator.num_free - free_before >= need or not all(
                 self._frees(leaf, i) for i in range(len(leaf.pages))):
             return  # enough, or the rest is still held by a running sequence: keep the entry
+        for child in list(leaf.children.values()):  # host entries below: unreachable now
+            self._drop_host_subtree(child)
         self.allocator.free(leaf.pages)
         self._held_pages -= len(leaf.pages)
         self._cached_tokens -= len(leaf.key)
@@ -267,8 +309,130 @@ class RadixCache:
         del leaf.parent.children[leaf.key[0]]
         leaf.alive = False
         del self._leaves[leaf.id]
-        if leaf.parent.parent is not None and not leaf.parent.children:
-            self._leaves[leaf.parent.id] = leaf.parent
+        self._reindex(leaf.parent)
+
+    def _tier(self, node: _Node) -> PageAllocator:
+        return self.host if node.host else self.allocator
+
+    def _reindex(self, node: _Node) -> None:
+        """Files a node under the device or host leaves after its children or tier changed."""
+        if node.parent is None or not node.alive:
+            return
+        if node.host:
+            self._leaves.pop(node.id, None)
+            if node.children:
+                self._host_leaves.pop(node.id, None)
+            else:
+                self._host_leaves[node.id] = node
+            return
+        self._host_leaves.pop(node.id, None)
+        if any(not c.host for c in node.children.values()):
+            self._leaves.pop(node.id, None)
+        else:
+            self._leaves[node.id] = node
+
+    # ---- the host tier -------------------------------------------------------------------
+
+    def _demote(self, leaf: _Node) -> bool:
+        """Moves a device leaf (whose pages only the cache holds) to host slots, making room
+        there by dropping host LRU leaves; False (nothing changed) if it cannot."""
+        n = len(leaf.pages)
+        if not all(self._frees(leaf, i) for i in range(n)):
+            return False
+        if self.host.num_free < n:
+            self._drop_host(n - self.host.num_free)
+        if self.host.num_free < n:
+            return False
+        slots = self.host.allocate(n)
+        self.transfers.append(("save", list(leaf.pages), slots))
+        self.allocator.free(leaf.pages)
+        self._held_pages -= n
+        self._host_held += n
+        self._host_tokens += len(leaf.key)
+        leaf.pages, leaf.host = slots, True
+        self.version += 1
+        self._stats["host_saved_pages"] += n
+        self._reindex(leaf)
+        self._reindex(leaf.parent)
+        return True
+
+    def _drop_host(self, need: int) -> None:
+        """Drops LRU unlocked host leaves until ``need`` slots are free (or none is left)."""
+        free_before = self.host.num_free
+        heap = [(n.last_access, n.id, n) for n in self._host_leaves.values() if n.lock == 0]
+        heapq.heapify(heap)
+        while heap and self.host.num_free - free_before < need:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            self._drop_host_subtree(leaf)
+            if parent.host and parent.id in self._host_leaves and parent.lock == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+
+    def _drop_host_subtree(self, node: _Node) -> None:
+        for child in list(node.children.values()):
+            self._drop_host_subtree(child)
+        self.host.free(node.pages)
+        self._host_held -= len(node.pages)
+        self._host_tokens -= len(node.key)
+        self._cached_tokens -= len(node.key)
+        self._stats["host_evicted_tokens"] += len(node.key)
+        del node.parent.children[node.key[0]]
+        node.alive = False
+        self._host_leaves.pop(node.id, None)
+        self.version += 1
+        self._reindex(node.parent)
+
+    def _to_device(self, node: _Node, pages: list[int]) -> None:
+        """Gives a host node the device pages ``pages`` (already referenced for it)."""
+        self.host.free(node.pages)
+        self._host_held -= len(node.pages)
+        self._held_pages += len(pages)
+        self._host_tokens -= len(node.key)
+        node.pages, node.host = pages, False
+        self.version += 1
+        self._reindex(node)
+        self._reindex(node.parent)
+
+    def _adopt(self, node: _Node, pages: Sequence[int]) -> None:
+        """A host node on an inserted path takes the inserter's device pages (same KV)."""
+        s = self.page_size
+        own = [int(p) for p in pages[node.start // s:(node.end - 1) // s + 1]]
+        self.allocator.share(own)
+        self._to_device(node, own)
+
+    def promote(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Brings the host nodes on the longest cached path of ``tokens`` back to the device,
+        top-down, while device pages can be had (evicting other LRU entries); each one's copy
+        is queued in `transfers`. Returns the number of tokens promoted."""
+        root = self._roots.get(salt)
+        if self.host is None or root is None:
+            return 0
+        node, on_host = self._walk_nodes(tokens, root)
+        if not on_host:
+            return 0
+        self.lock(node)  # neither the device path nor these host nodes may go meanwhile
+        promoted = 0
+        try:
+            for n in on_host:
+                need = len(n.pages)
+                if self.allocator.num_free < need:
+                    self.evict(need - self.allocator.num_free)
+                if self.allocator.num_free < need:
+                    break
+                pages = self.allocator.allocate(need)
+                self.transfers.append(("load", list(n.pages), pages))
+                self._stats["host_loaded_pages"] += need
+                promoted += len(n.key)
+                self._to_device(n, pages)
+        finally:
+            self.unlock(node)
+        self._stats["host_hit_tokens"] += promoted
+        return promoted
+
+    def take_transfers(self) -> list[tuple[str, list[int], list[int]]]:
+        """The copies queued since the last call, in the order they must run."""
+        out, self.transfers = self.transfers, []
+        return out
 
     def _frees(self, node: _Node, i: int) -> bool:
         """Whether dropping the cache's references on page ``node.pages[i]`` frees it: only the
@@ -282,9 +446,29 @@ class RadixCache:
             refs, up = refs + 1, up.parent
         return self.allocator.refcount(page) == refs
 
+    def _walk_nodes(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, list[_Node]]:
+        """(deepest node matching a prefix of ``tokens`` through both tiers, the host nodes on
+        the way)."""
+        pos, on_host = 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            m = _common_len(child.key, tokens, pos)
+            if child.host:
+                on_host.append(child)
+            node, pos = child, pos + m
+            if m < len(child.key):
+                break
+        return node, on_host
+
     def held_pages(self) -> list[int]:
-        """Every page the cache holds a reference on, one entry per reference."""
-        return [p for n in self._nodes() for p in n.pages]
+        """Every device page the cache holds a reference on, one entry per reference."""
+        return [p for n in self._nodes() if not n.host for p in n.pages]
+
+    def host_held_pages(self) -> list[int]:
+        """Every host slot the cache holds a reference on, one entry per reference."""
+        return [p for n in self._nodes() if n.host for p in n.pages]
 
     @property
     def num_cached_tokens(self) -> int:
@@ -301,6 +485,7 @@ class RadixCache:
         q = self._stats["query_tokens"]
         return dict(self._stats, hit_rate=self._stats["hit_tokens"] / q if q else 0.0,
                     cached_tokens=self._cached_tokens, held_pages=self._held_pages,
+                    host_tokens=self._host_tokens, host_held_pages=self._host_held,
                     nodes=sum(1 for n in self._nodes() if n.parent is not None))
 
     def check(self) -> None:
@@ -308,8 +493,13 @@ class RadixCache:
         s, tokens, held = self.page_size, 0, []
         for salt, root in self._roots.items():
             assert root.parent is None and not root.key and not root.pages, f"root {salt!r}"
-        leaves = {n.id for n in self._nodes() if n.parent is not None and not n.children}
+        nodes = [n for n in self._nodes() if n.parent is not None]
+        leaves = {n.id for n in nodes if not n.host
+                  and all(c.host for c in n.children.values())}
         assert leaves == set(self._leaves), "the leaf index disagrees with the tree"
+        host_leaves = {n.id for n in nodes if n.host and not n.children}
+        assert host_leaves == set(self._host_leaves), "the host leaf index disagrees"
+        host_held, host_tokens = [], 0
         for n in self._nodes():
             assert n.alive, "an evicted node is still in the tree"
             below = sum(c.lock for c in n.children.values())
@@ -323,13 +513,24 @@ class RadixCache:
                 continue
             covers = (n.end - 1) // s - n.start // s + 1
             assert len(n.pages) == covers, f"node {n.id}: {len(n.pages)} pages for {covers}"
+            if n.host:
+                assert self.host is not None, f"node {n.id}: on the host without a host tier"
+                assert all(c.host for c in n.children.values()), f"node {n.id}: a device " \
+                    "node below a host node"
+                tokens, host_held = tokens + len(n.key), host_held + n.pages
+                host_tokens += len(n.key)
+                continue
             tokens, held = tokens + len(n.key), held + n.pages
         assert tokens == self._cached_tokens, f"cached tokens {self._cached_tokens} != {tokens}"
         assert len(held) == self._held_pages, f"held pages {self._held_pages} != {len(held)}"
+        assert len(host_held) == self._host_held, f"host refs {self._host_held} != {len(host_held)}"
+        assert host_tokens == self._host_tokens, f"host tokens {self._host_tokens} != {host_tokens}"
         for p, refs in Counter(held).items():
             assert self.allocator.refcount(p) >= refs, (
                 f"cache holds {refs} refs on page {p}, allocator counts only "
                 f"{self.allocator.refcount(p)}")
+        if self.host is not None:  # only the cache holds host slots: counts must be exact
+            self.host.check([[p] for p in host_held])
 
     def _root(self, salt: str | None) -> _Node:
         if salt not in self._roots:

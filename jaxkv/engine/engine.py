@@ -33,6 +33,7 @@ from jaxkv.cache.radix import RadixCache
 from jaxkv.engine import logprobs
 from jaxkv.engine import warmup as compile_ahead
 from jaxkv.engine.detokenizer import IncrementalDetokenizer
+from jaxkv.engine.host_tier import HostKVPool
 from jaxkv.engine.request import (
     CompletionOutput,
     EngineStats,
@@ -58,6 +59,7 @@ from jaxkv.runtime.sampling import (
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
 from jaxkv.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from jaxkv.sharding import shard, shard_state
+from pallas_kernels.quant import storage_dtype
 
 _log = logging.getLogger(__name__)
 
@@ -107,21 +109,30 @@ class Engine:
     dispatch the next loop (continuing from the device's own tokens) before reading the
     current one, so the host's reading, bookkeeping and reservation overlap device work; a
     request arriving meanwhile waits for at most the loop in flight.
+    ``kv_cache_dtype``: "auto" (pages in the model's compute dtype), "int8" or "fp8_e4m3":
+    quantized pages with a key and a value scale per token and kv head, quantized as the step
+    writes them and dequantized inside attention; about half the bytes of bf16 pages.
+    ``host_kv_cache_bytes``: a host-memory tier behind the prefix cache (`HostKVPool`): pages
+    the device pool evicts are copied there instead of dropped, and a later prefix hit copies
+    them back instead of recomputing them.
     """
 
     def __init__(self, model: Model, *, page_size: int = 16, num_pages: int,
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  attention_impl: str = "auto", seed: int = 0, debug_nan_freed_pages: bool = False,
-                 mesh=None, max_decode_steps: int | None = None, async_scheduling: bool = True):
+                 mesh=None, max_decode_steps: int | None = None, async_scheduling: bool = True,
+                 kv_cache_dtype: str = "auto", host_kv_cache_bytes: int = 0):
         if mesh is not None:  # tensor parallel: weights and KV pages split by head
             model = shard(model, mesh)
         cfg = model.config
         _positive_int("page_size", page_size)
         try:
-            check_page_size(attention_impl, page_size, model.dtype)
+            self.kv_dtype = storage_dtype(kv_cache_dtype, model.dtype)
+            check_page_size(attention_impl, page_size, self.kv_dtype)
         except ValueError as e:
             raise ValueError(f"Engine: {e}") from None
+        self.kv_cache_dtype = kv_cache_dtype
         _positive_int("num_pages", num_pages)
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -149,20 +160,45 @@ class Engine:
         self.page_table = PageTable(max_num_seqs, self.max_pages_per_seq, num_pages, page_size)
         self.debug_nan_freed_pages = debug_nan_freed_pages
         self.allocator = PageAllocator(num_pages, track_freed=debug_nan_freed_pages)
-        self.radix = RadixCache(self.allocator, page_size) if enable_prefix_caching else None
+        self.state = self._new_state()
+        self.host_pool = self._host_pool(host_kv_cache_bytes, enable_prefix_caching)
+        host_slots = None if self.host_pool is None else PageAllocator(self.host_pool.num_slots)
+        self.radix = RadixCache(self.allocator, page_size, host_slots) \
+            if enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=page_size,
                                    max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    eos_token_ids=cfg.eos_token_ids)
-        self.state = self._new_state()
         self._requests: dict[str, _Entry] = {}  # unfinished, by id
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._num_added = self._prompt_tokens = self._steps = 0
         self.async_scheduling = bool(async_scheduling)
         self._inflight: _Loop | None = None  # a loop dispatched ahead, its tokens unread
 
+    def _host_pool(self, nbytes, enable_prefix_caching: bool) -> HostKVPool | None:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"Engine: host_kv_cache_bytes must be an int >= 0, got {nbytes!r}")
+        if nbytes == 0:
+            return None
+        if not enable_prefix_caching:
+            raise ValueError("Engine: host_kv_cache_bytes needs enable_prefix_caching=True (the "
+                             "host tier keeps prefix-cache entries)")
+        page = sum(x.nbytes for x in jax.tree.leaves(self.state)) // self.num_pages
+        if nbytes < page:
+            raise ValueError(f"Engine: host_kv_cache_bytes={nbytes} holds no page of {page} "
+                             "bytes")
+        return HostKVPool(self.state, nbytes // page, self.copy_buckets)
+
+    def _transfer(self) -> None:
+        """Runs the host tier's queued copies (before anything reads or reuses those pages)."""
+        if self.host_pool is not None:
+            moves = self.radix.take_transfers()
+            if moves:
+                self.state = self.host_pool.run(self.state, moves)
+
     def _new_state(self):
-        state = init_state(self.model.config, self.num_pages, self.page_size, self.model.dtype)
+        state = init_state(self.model.config, self.num_pages, self.page_size, self.model.dtype,
+                           self.kv_cache_dtype)
         return state if self.mesh is None else shard_state(state, self.mesh)
 
     # ---- requests ------------------------------------------------------------------------
@@ -327,6 +363,8 @@ class Engine:
         if error is not None:
             self._inflight = None  # a continuation of the failed requests, if any
             return outputs + self._fail(plan, error)
+        if self.host_pool is not None:  # saves of this step land while the next one runs
+            self.host_pool.flush()
         if launched is None:
             return outputs
         kind, tokens = sampled
@@ -349,7 +387,8 @@ class Engine:
         """Dispatches the device part of a step (page poisoning and copies, then a ragged
         step or a decode loop); returns a function that reads its tokens back: for each
         row, a list of tokens per sample (None for a row still prefilling)."""
-        if plan.copies:  # first: a copy's source may have been freed by this very plan
+        self._transfer()  # first: saves read pages this plan freed, loads fill pages it reads
+        if plan.copies:  # a copy's source may have been freed by this very plan
             self.state = copy_pages_padded(self.state, plan.copies, self.copy_buckets)
         if self.debug_nan_freed_pages:  # poison what is free now: a later read would show NaN
             freed = self.allocator.drain_freed()  # (a copy's destination is never free)
@@ -444,6 +483,7 @@ class Engine:
         starts = [r.start for r in rows]
         limits = self.scheduler.reserve(reqs, starts, [  # pages for up to n tokens per row
             min(n, q.sampling_params.max_tokens - q.num_output_tokens) for q in reqs])
+        self._transfer()  # reserving may have moved cache entries to the host
         keys, arrays = self._sampling([(i, r.samples[0]) for i, r in enumerate(rows)], width)
         tokens = np.zeros(width, np.int32)
         positions = np.zeros(width, np.int32)
@@ -502,6 +542,7 @@ class Engine:
             return None
         wants = [min(n, x) for x in left]
         limits = self.scheduler.reserve(reqs, starts, wants)
+        self._transfer()
         if any(w > 0 and k == 0 for w, k in zip(wants, limits, strict=True)):
             return None  # a row without pages: `schedule` (which may preempt) takes over
         table = current.table.copy()  # rows hold the same slots as before
@@ -561,6 +602,8 @@ class Engine:
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
             if self.radix is not None:
                 self.radix.clear()
+            if self.host_pool is not None:
+                self.host_pool.discard()
             if self.debug_nan_freed_pages:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.state = self._new_state()
@@ -612,7 +655,20 @@ class Engine:
             computed_prompt_tokens=c.computed_prompt_tokens,
             generated_tokens=c.generated_tokens, preemptions=c.preemptions,
             kv_pages_total=self.num_pages, kv_pages_used=used, kv_pages_cached=cached,
-            kv_pages_free=self.allocator.num_free, steps=self._steps)
+            kv_pages_free=self.allocator.num_free, steps=self._steps,
+            **self._host_stats())
+
+    def _host_stats(self) -> dict:
+        if self.radix is None:
+            return {}
+        r = self.radix.stats()
+        out = dict(device_hit_tokens=r["hit_tokens"] - r["host_hit_tokens"])
+        if self.host_pool is not None:
+            out.update(host_hit_tokens=r["host_hit_tokens"],
+                       host_kv_pages=self.radix.host.num_used,
+                       host_kv_bytes=self.radix.host.num_used * self.host_pool.page_bytes,
+                       host_kv_pages_total=self.host_pool.num_slots)
+        return out
 
     def check(self) -> None:
         """Asserts the host invariants: every page's refcount equals its holders (running

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
-from jaxkv.kv import init_state
+from jaxkv.kv import init_state, kv_bytes_per_token
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.processors import has_processors
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, check_bannable, request_key
 from jaxkv.runtime.steps import make_steps
 from jaxkv.sampling_params import SamplingParams
+from pallas_kernels.quant import storage_dtype
 
 _DEFAULT = SamplingParams()
 
@@ -95,7 +96,7 @@ def _per_prompt(sampling, n_prompts) -> list[SamplingParams]:
 def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int = 16,
                         prefill_chunk: int | None = None, attention_impl: str = "auto",
                         recompute: bool = False, exact_shapes: bool = False,
-                        token_budget: int = DEFAULT_TOKEN_BUDGET):
+                        token_budget: int = DEFAULT_TOKEN_BUDGET, kv_cache_dtype: str = "auto"):
     """`generate`, also returning a GenerationStats.
 
     ``recompute=True`` is the no-cache baseline. ``exact_shapes=True`` pads token counts only
@@ -107,6 +108,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
     cfg = model.config
+    kv_dtype = storage_dtype(kv_cache_dtype, model.dtype)
     ids = _prompts_to_ids(model, prompts)
     params_list = _per_prompt(sampling, len(ids))
 
@@ -135,14 +137,13 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     for s, n in zip(seqs, pages_per_seq, strict=True):
         s.pages = allocator.allocate(n)
     width = max(pages_per_seq)
-    state = init_state(cfg, allocator.num_pages, page_size, model.dtype)
+    state = init_state(cfg, allocator.num_pages, page_size, model.dtype, kv_cache_dtype)
     table = PageTable(len(seqs), width, allocator.num_pages, page_size)
     steps = make_steps(model.graphdef, attention_impl)
     eos = set(cfg.eos_token_ids)
     stats = GenerationStats(prompt_tokens=sum(len(s.prompt) for s in seqs),
                             kv_pages_used=allocator.num_used, page_size=page_size,
-                            kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads
-                            * cfg.head_dim * np.dtype(model.dtype).itemsize)
+                            kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype))
 
     def tokens_bucket(n):
         return -(-n // 16) * 16 if exact_shapes else pow2(max(n, 16))
@@ -221,14 +222,17 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
 
 
 def generate(model: Model, prompts: Sequence, sampling=None, *, page_size: int = 16,
-             prefill_chunk: int | None = None, attention_impl: str = "auto") -> list[list[int]]:
+             prefill_chunk: int | None = None, attention_impl: str = "auto",
+             kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Generated token ids for each prompt (``n`` consecutive entries per prompt when n > 1).
 
     ``prompts``: token-id lists, or strings when the model has a tokenizer. ``sampling``: one
     SamplingParams for all prompts or one per prompt. ``prefill_chunk`` splits long prompts.
+    ``kv_cache_dtype``: "auto" (the compute dtype), "int8" or "fp8_e4m3" (see `Engine`).
     """
     out, _ = generate_with_stats(model, prompts, sampling, page_size=page_size,
-                                 prefill_chunk=prefill_chunk, attention_impl=attention_impl)
+                                 prefill_chunk=prefill_chunk, attention_impl=attention_impl,
+                                 kv_cache_dtype=kv_cache_dtype)
     return out
 
 

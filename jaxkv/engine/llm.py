@@ -16,18 +16,21 @@ from jaxkv.engine.engine import Engine
 from jaxkv.engine.kv_budget import kv_budget
 from jaxkv.engine.replicas import ReplicatedEngine
 from jaxkv.engine.request import EngineStats, RequestOutput
+from jaxkv.kv import kv_bytes_per_token as kv_state_bytes_per_token
 from jaxkv.model.pretrained import Model, load_default, load_pretrained
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh
+from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
 
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.9
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model: Model) -> int:
-    """K and V of one token in every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize
+def kv_bytes_per_token(model: Model, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token in every layer, in pages of ``kv_cache_dtype``: 2 * layers *
+    kv_heads * head_dim * dtype bytes, plus 4 bytes per layer and kv head of scales when
+    quantized."""
+    return kv_state_bytes_per_token(model.config, storage_dtype(kv_cache_dtype, model.dtype))
 
 
 class LLM:
@@ -48,7 +51,11 @@ class LLM:
     (`jaxkv.sharding`); ``data_parallel_size=M`` runs M such replicas on M * N devices behind
     this one LLM, each request routed to the replica caching the longest prefix of its prompt,
     else the least loaded (`jaxkv.engine.replicas`). ``max_decode_steps``: decode steps run on
-    device per host round trip while nothing waits (see `Engine`).
+    device per host round trip while nothing waits (see `Engine`). ``kv_cache_dtype``: "auto"
+    (the compute dtype), "int8" or "fp8_e4m3": quantized pages, so the same memory holds about
+    twice the tokens of bf16 KV (four times fp32's); the pool sizing counts the scales.
+    ``host_kv_cache_bytes``: host memory (per replica) for prefix-cache pages the device pool
+    evicts; a later hit copies them back instead of recomputing (see `Engine`).
     """
 
     def __init__(self, model: Model | str | Path | None = None, *, page_size: int = 16,
@@ -59,7 +66,8 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  attention_impl: str = "auto", seed: int = 0, dtype: str = "auto",
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 max_decode_steps: int | None = None):
+                 max_decode_steps: int | None = None, kv_cache_dtype: str = "auto",
+                 host_kv_cache_bytes: int = 0):
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
                             ("data_parallel_size", data_parallel_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -78,7 +86,11 @@ class LLM:
             raise ValueError(f"model must be None, a checkpoint path or a jaxkv.Model, got "
                              f"{type(model).__name__}")
         copies = max(1, tensor_parallel_size // model.config.num_kv_heads)
-        page_bytes = kv_bytes_per_token(model) * copies * page_size  # per replica
+        try:
+            per_token = kv_bytes_per_token(model, kv_cache_dtype)
+        except ValueError as e:
+            raise ValueError(f"LLM: {e}") from None
+        page_bytes = per_token * copies * page_size  # per replica
         source = "num_pages"
         if num_pages is None:  # KV heads replicated for tensor parallelism count as stored
             if kv_cache_memory_bytes is None:
@@ -96,9 +108,13 @@ class LLM:
             if kv_cache_memory_bytes is None:  # never more than max_num_seqs full sequences
                 longest = max_model_len or model.config.max_position_embeddings
                 num_pages = min(num_pages, max_num_seqs * -(-longest // page_size) + 1)
+            g = pages_per_scale_row(page_size)
+            if is_quantized(storage_dtype(kv_cache_dtype, model.dtype)) and num_pages >= g:
+                num_pages -= num_pages % g  # whole rows of scale words: a free view per page
         if max_model_len is None:  # what the model and the pool allow
             max_model_len = min(model.config.max_position_embeddings, num_pages * page_size)
         self.kv_pool = {"pages": num_pages, "page_size": page_size,
+                        "kv_cache_dtype": kv_cache_dtype, "bytes_per_token": per_token * copies,
                         "tokens": num_pages * page_size, "bytes": num_pages * page_bytes,
                         "max_model_len": max_model_len,
                         "full_sequences": num_pages * page_size // max_model_len,
@@ -111,7 +127,8 @@ class LLM:
         kwargs = dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                       enable_prefix_caching=enable_prefix_caching, attention_impl=attention_impl,
-                      seed=seed, max_decode_steps=max_decode_steps)
+                      seed=seed, max_decode_steps=max_decode_steps,
+                      kv_cache_dtype=kv_cache_dtype, host_kv_cache_bytes=host_kv_cache_bytes)
         tp = tensor_parallel_size
         meshes = [make_mesh(tp, devices[r * tp:(r + 1) * tp]) if need > 1 else None
                   for r in range(data_parallel_size)]

@@ -211,6 +211,13 @@ class EngineStats:
     kv_pages_cached: int  # held only by the prefix cache (evictable)
     kv_pages_free: int
     steps: int  # device steps run
+    # Of the prefix-cache hit tokens: found on the device, or brought back from the host tier
+    # (``host_kv_cache_bytes``), whose pages and bytes in use are counted below.
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_kv_pages: int = 0
+    host_kv_bytes: int = 0
+    host_kv_pages_total: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -16,6 +16,10 @@ where the last step stopped), so in steady state none waits more than ceil(decod
 steps. A preemption victim is still the newest sequence not yet scheduled in the step, which
 with turns may be older than one already scheduled.
 
+With a host tier, admission first brings back to device pages the host-resident entries on the
+request's cached path (`RadixCache.promote`), and eviction moves entries to the host instead
+of dropping them; the cache queues the copies for the engine to run before the step.
+
 Pages come from the free list, then from evicting the prefix cache (LRU), and for running
 sequences (1-2) from preempting the newest running sequence not scheduled this step. Preemption
 is by recompute: the victim's computed KV goes to the prefix cache, its pages and slot are
@@ -219,6 +223,8 @@ class Scheduler:
         s, tokens = self.page_size, req.token_ids
         match, cached = None, 0
         if self.radix is not None and not req.needs_prompt_logits:
+            if self.radix.host is not None:  # host-tier entries on its path: copy them back
+                self.radix.promote(tokens[:-1], req.cache_salt)
             # At most len - 1 tokens: the last token must run for its logits.
             # A peek: counted (and its recency refreshed) only if the request is admitted, so
             # an admission retried every step under memory pressure counts once.
@@ -326,6 +332,9 @@ class Scheduler:
                 continue
             for token in toks:
                 req.num_computed_tokens += 1
+                if req.num_computed_tokens == req.prefill_end:  # the prompt's last token ran
+                    self.counters.computed_prompt_tokens += 1  # here (a one-token chunk)
+                    self._cache_full_pages(req)
                 if self._take_token(req, token, now):
                     break
             if toks:

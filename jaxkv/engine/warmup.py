@@ -1,7 +1,8 @@
 """Compiling every program an `Engine` can run before it serves (like vLLM's CUDA-graph capture).
 
 An engine runs a handful of programs: the ragged step once per token bucket, the decode loop
-once per row bucket, page copies per copy bucket, the fork sampler, and (debug only) the page
+once per row bucket, page copies per copy bucket, the fork sampler, the host tier's page
+gather and load per copy bucket (with ``host_kv_cache_bytes``), and (debug only) the page
 poisoner. `engine_programs` lists them; `warmup` runs each on padding-only inputs (no page
 changes) and derives one request key. Afterwards serving compiles nothing, so no request waits
 on a compile and host memory stays flat.
@@ -32,6 +33,9 @@ def engine_programs(engine) -> list[tuple[str, int]]:
     progs.append(("logprobs", engine.max_num_seqs))
     if engine.debug_nan_freed_pages:
         progs.append(("fill_pages", engine.copy_buckets[-1]))
+    if engine.host_pool is not None:
+        progs += [("host_save", n) for n in engine.host_pool.sizes]
+        progs += [("host_load", n) for n in engine.host_pool.sizes]
     return progs
 
 
@@ -103,6 +107,12 @@ def warmup(engine) -> int:
         elif kind == "fill_pages":
             engine.state = fill_pages_padded(engine.state, [engine.num_pages], float("nan"),
                                              size)
+        elif kind in ("host_save", "host_load"):  # a padding page: reads zeros, writes nothing
+            pool = engine.host_pool
+            engine.state = pool.run(engine.state, [(kind[5:], [engine.num_pages] * size,
+                                                    [0] * size)] if kind == "host_save" else
+                                    [("load", [0] * size, [engine.num_pages] * size)])
+            pool.discard()
     engine._sample_keys(SamplingParams(n=2), 0)  # the per-request key derivation
     jax.block_until_ready(engine.state)
     return len(progs)

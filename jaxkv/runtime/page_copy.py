@@ -1,6 +1,8 @@
 """Copying whole KV pages on device: prefix reuse of a partly matched page, copy-on-write.
 
 Axes: L layers, K kv heads, P pages, S page_size, D head_dim, N copies (pages are [L, K, P, S, 2D]).
+Quantized pages move with their scales: a page is its values and its S scale words, which sit
+in row ``p // G`` of the scale array at columns ``p % G * S ...`` (``pallas_kernels.quant``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.kv import PagedKVState
+from pallas_kernels.quant import NAN_SCALES, pages_per_scale_row
+
+
+def _scale_slots(state: PagedKVState, pages):
+    """Index arrays (rows [N, 1], columns [N, S]) of the scale words of pages ``pages``."""
+    s = state.page_size
+    g = pages_per_scale_row(s)
+    rows = jnp.where(pages < state.num_pages, pages // g, state.kv_scales.shape[2])  # >= P: out
+    return rows[:, None], (pages % g * s)[:, None] + jnp.arange(s)
+
+
+def _get_scales(state: PagedKVState, pages):
+    """Scale words of ``pages`` (>= P: zeros): i32[L, K, N, S]."""
+    rows, cols = _scale_slots(state, pages)
+    return state.kv_scales.at[:, :, rows, cols].get(mode="fill", fill_value=0)
+
+
+def _set_scales(state: PagedKVState, pages, words):
+    """The scale array with ``words`` ([L, K, N, S] or a scalar) at ``pages`` (>= P: dropped)."""
+    rows, cols = _scale_slots(state, pages)
+    return state.kv_scales.at[:, :, rows, cols].set(words, mode="drop")
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -21,21 +44,26 @@ def copy_pages(state: PagedKVState, src, dst) -> PagedKVState:
     All sources are read before any destination is written. A destination >= P is dropped
     (padding); destinations must be distinct. The state is donated: pages update in place.
     """
-    def copy(pages_lkpsd):
-        moved = pages_lkpsd.at[:, :, src].get(mode="fill", fill_value=0)
-        return pages_lkpsd.at[:, :, dst].set(moved, mode="drop")
-
-    return state.replace(kv_pages=copy(state.kv_pages))
+    moved = state.kv_pages.at[:, :, src].get(mode="fill", fill_value=0)
+    kv_pages = state.kv_pages.at[:, :, dst].set(moved, mode="drop")
+    scales = None if state.kv_scales is None else _set_scales(state, dst,
+                                                              _get_scales(state, src))
+    return state.replace(kv_pages=kv_pages, kv_scales=scales)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def fill_pages(state: PagedKVState, pages, value) -> PagedKVState:
     """Sets every entry of pages ``pages`` (i32[N]; >= P is dropped) to ``value``: the debug
-    option that poisons freed pages with NaN, to prove they are never read."""
-    def fill(pages_lkpsd):
-        return pages_lkpsd.at[:, :, pages].set(jnp.asarray(value, pages_lkpsd.dtype), mode="drop")
+    option that poisons freed pages with NaN, to prove they are never read. Quantized pages,
+    whose values cannot hold NaN, get zero values and NaN scales instead (a NaN ``value``)."""
+    def fill(pages_lkp, v):
+        return pages_lkp.at[:, :, pages].set(jnp.asarray(v, pages_lkp.dtype), mode="drop")
 
-    return state.replace(kv_pages=fill(state.kv_pages))
+    if state.kv_scales is None:
+        return state.replace(kv_pages=fill(state.kv_pages, value))
+    word = jnp.where(jnp.isnan(value), jnp.int32(NAN_SCALES), jnp.int32(0))
+    return state.replace(kv_pages=fill(state.kv_pages, 0),
+                         kv_scales=_set_scales(state, pages, word))
 
 
 def fill_pages_padded(state: PagedKVState, pages, value, chunk: int = 64) -> PagedKVState:
@@ -62,3 +90,23 @@ def copy_pages_padded(state: PagedKVState, pairs, sizes=(8, 64)) -> PagedKVState
             src[i], dst[i] = s, d
         state = copy_pages(state, src, dst)
     return state
+
+
+@jax.jit
+def gather_pages(state: PagedKVState, pages):
+    """The contents of pages ``pages`` (i32[N]; >= P gives zeros), page-major for a host pool:
+    (values [N, L, K, S, 2D], scale words i32[N, L, K, S] or None). Not donated: it only reads."""
+    values = state.kv_pages.at[:, :, pages].get(mode="fill", fill_value=0)
+    scales = None if state.kv_scales is None else jnp.moveaxis(_get_scales(state, pages), 2, 0)
+    return jnp.moveaxis(values, 2, 0), scales
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def load_pages(state: PagedKVState, pages, values, scales) -> PagedKVState:
+    """Writes page-major ``values`` [N, L, K, S, 2D] (and ``scales`` [N, L, K, S] for quantized
+    pages) into pages ``pages`` (i32[N]; >= P is dropped): a host pool's pages coming back."""
+    kv_pages = state.kv_pages.at[:, :, pages].set(
+        jnp.moveaxis(values, 0, 2).astype(state.kv_pages.dtype), mode="drop")
+    kv_scales = None if state.kv_scales is None else _set_scales(
+        state, pages, jnp.moveaxis(scales, 0, 2))
+    return state.replace(kv_pages=kv_pages, kv_scales=kv_scales)

@@ -62,39 +62,40 @@ def _check_state(state: PagedKVState, model) -> None:
     """Raises KVStateError if `state` cannot hold this model's KV."""
     state.validate()
     state.validate_for(model.config)
-    if state.kv_pages.dtype != model.dtype:
+    if not state.quantized and state.kv_pages.dtype != model.dtype:
         raise KVStateError(f"PagedKVState.kv_pages: dtype {state.kv_pages.dtype} does not match "
                            f"the model's compute dtype {jnp.dtype(model.dtype)}")
 
 
-def _forward(model, impl, mesh, kv_pages, tokens, positions, write_pages, write_offsets,
+def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offsets,
              page_table, kv_lens, cu_q_lens, num_seqs, *, decode: bool):
-    """Hidden states of T tokens and the pages with their K/V written."""
+    """Hidden states of T tokens and the (pages, scales) with their K/V written; ``kv`` is
+    (kv_pages, kv_scales or None), carried through the layers."""
     c = model.config
 
-    def attend(q, k, v, kv_pages, layer, write_pages, write_offsets, page_table, kv_lens,
+    def attend(q, k, v, kv, layer, write_pages, write_offsets, page_table, kv_lens,
                cu_q_lens, num_seqs):
-        kv_pages = write_kv(kv_pages, layer, k, v, write_pages, write_offsets)
+        kv_pages, kv_scales = write_kv(kv[0], layer, k, v, write_pages, write_offsets, kv[1])
         out = paged_attention(
             q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
             decode=decode, sm_scale=c.sm_scale, sliding_window=c.sliding_window,
-            impl=impl,
+            impl=impl, kv_scales=kv_scales,
         )
-        return out, kv_pages
+        return out, (kv_pages, kv_scales)
 
     if mesh is not None:  # each device: its heads, its kv heads' pages (no communication)
         attend = sharded_attention(attend, mesh)
 
-    def attention(layer, q, k, v, kv_pages):
-        return attend(q, k, v, kv_pages, layer, write_pages, write_offsets, page_table,
+    def attention(layer, q, k, v, kv):
+        return attend(q, k, v, kv, layer, write_pages, write_offsets, page_table,
                       kv_lens, cu_q_lens, num_seqs)
 
-    return model(tokens, positions, attention, kv_pages)
+    return model(tokens, positions, attention, kv)
 
 
 def _keep_layout(state, mesh):
     if mesh is not None:  # keep the donated layout, so the next step reuses the buffers
-        state = jax.lax.with_sharding_constraint(state, kv_sharding(mesh))
+        state = jax.lax.with_sharding_constraint(state, kv_sharding(mesh, state.quantized))
     return state
 
 
@@ -102,13 +103,15 @@ def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBat
           sampling: SamplingArrays):
     model = nnx.merge(graphdef, params)
     _check_state(state, model)  # at trace time: a new shape or dtype retraces
-    hidden, kv_pages = _forward(model, impl, mesh, state.kv_pages, batch.tokens, batch.positions,
-                                batch.write_pages, batch.write_offsets, batch.page_table,
-                                batch.kv_lens, batch.cu_q_lens, batch.num_seqs, decode=False)
+    hidden, (kv_pages, kv_scales) = _forward(
+        model, impl, mesh, (state.kv_pages, state.kv_scales), batch.tokens, batch.positions,
+        batch.write_pages, batch.write_offsets, batch.page_table, batch.kv_lens,
+        batch.cu_q_lens, batch.num_seqs, decode=False)
     last = jnp.maximum(batch.cu_q_lens[1:] - 1, 0)
     logits = model.logits(hidden[last])
     tokens = sample_tokens(logits, keys, sampling)
-    return tokens, logits, hidden, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
+    state = state.replace(kv_pages=kv_pages, kv_scales=kv_scales)
+    return tokens, logits, hidden, _keep_layout(state, mesh)
 
 
 def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: PagedKVState,
@@ -127,10 +130,10 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
                               jnp.concatenate([banned, pad], axis=1))
 
     def body(carry):
-        i, tokens, positions, running, finished, generated, out, kv_pages = carry
+        i, tokens, positions, running, finished, generated, out, kv = carry
         page = loop.page_table[rows, positions // s]
-        hidden, kv_pages = _forward(
-            model, impl, mesh, kv_pages, tokens, positions, jnp.where(running, page, p),
+        hidden, kv = _forward(
+            model, impl, mesh, kv, tokens, positions, jnp.where(running, page, p),
             positions % s, loop.page_table, jnp.where(running, positions + 1, 0), cu,
             jnp.int32(r), decode=True)
         new = sample_tokens(model.logits(hidden), loop.keys, sampling(generated))
@@ -143,7 +146,7 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
         running = running & ~ends & (i + 1 < loop.limit)
         tokens = jnp.where(out[i] >= 0, new, tokens)
         positions = positions + (out[i] >= 0).astype(jnp.int32)
-        return (i + 1, tokens, positions, running, finished | ends, generated, out, kv_pages)
+        return (i + 1, tokens, positions, running, finished | ends, generated, out, kv)
 
     def cond(carry):
         i, running = carry[0], carry[3]
@@ -151,12 +154,13 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
 
     out = jnp.full((max_steps, r), -1, jnp.int32)
     carry = (jnp.int32(0), loop.tokens, loop.positions, loop.live & (loop.limit > 0),
-             jnp.zeros_like(loop.live), loop.generated, out, state.kv_pages)
-    _, tokens, positions, _, finished, generated, out, kv_pages = jax.lax.while_loop(
-        cond, body, carry)
+             jnp.zeros_like(loop.live), loop.generated, out, (state.kv_pages, state.kv_scales))
+    _, tokens, positions, _, finished, generated, out, (kv_pages, kv_scales) = \
+        jax.lax.while_loop(cond, body, carry)
     after = loop.replace(tokens=tokens, positions=positions, live=loop.live & ~finished,
                          generated=generated)
-    return out, after, _keep_layout(state.replace(kv_pages=kv_pages), mesh)
+    state = state.replace(kv_pages=kv_pages, kv_scales=kv_scales)
+    return out, after, _keep_layout(state, mesh)
 
 
 def _prompt_logprobs(graphdef, params, hidden, idx, targets, k: int):

@@ -33,6 +33,9 @@ class ServerMetrics:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.")
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens served by the prefix cache at admission.")
+        self.host_hits = counter(
+            "prefix_cache_host_hits", "Prompt tokens of prefix-cache hits copied back from the "
+            "host-memory tier (host_kv_cache_bytes) instead of recomputed.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV recomputed).")
         self.requests = Counter("jaxkv:request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"], registry=r)
@@ -42,6 +45,9 @@ class ServerMetrics:
         self.pages_cached = gauge("kv_pages_cached",
                                   "KV pages held only by the prefix cache (evictable).")
         self.pages_free = gauge("kv_pages_free", "KV pages free.")
+        self.host_pages = gauge("host_kv_pages_used", "Host-tier KV pages holding evicted "
+                                "prefix-cache entries.")
+        self.host_bytes = gauge("host_kv_bytes_used", "Bytes of those host-tier pages.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token after the first.")
@@ -59,12 +65,15 @@ class ServerMetrics:
             self.prefix_cache_queries.inc(queried)
             self.prefix_cache_hits.inc(stats.cached_prompt_tokens - last.cached_prompt_tokens)
             self.preemptions.inc(stats.preemptions - last.preemptions)
+            self.host_hits.inc(stats.host_hit_tokens - last.host_hit_tokens)
         self._last = stats
         self.running.set(running)
         self.waiting.set(waiting)
         self.pages_used.set(stats.kv_pages_used)
         self.pages_cached.set(stats.kv_pages_cached)
         self.pages_free.set(stats.kv_pages_free)
+        self.host_pages.set(stats.host_kv_pages)
+        self.host_bytes.set(stats.host_kv_bytes)
 
     def finished(self, output) -> None:
         """Observes a finished RequestOutput's latencies."""

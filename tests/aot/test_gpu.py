@@ -49,6 +49,7 @@ STEPS = [
     aot_steps.StepCase("llama-3.2-3b", "prefill", 1.0, 512, 16, 4096),
     aot_steps.StepCase("llama-3.2-3b", "decode", 1.0, 64, 64, 4096),
     aot_steps.StepCase("llama-3-8b", "decode", 2.0, 128, 128, 8192),
+    aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096, kv_cache_dtype="int8"),
 ]
 
 

@@ -1,5 +1,6 @@
 """TPU v5e and v6e: every kernel and the real engine steps compile with libtpu (XLA:TPU and
-Mosaic, no TPU needed), within VMEM and SMEM, and no program copies the KV pool.
+Mosaic, no TPU needed), within VMEM and SMEM, and no program copies the KV pool (nor, with
+quantized pages, their scales).
 
     JAXKV_AOT=1 python -m pytest tests/aot/test_tpu.py [-m slow]    (``make test-aot``)
 """
@@ -13,6 +14,7 @@ from tools import aot_kernels, aot_steps, aot_tpu
 
 from pallas_kernels import tpu_block_sizes
 from pallas_kernels.tpu_ragged_kernel import table_window
+from pallas_kernels.tpu_ragged_paged_attention import scale_rows_shape
 
 MiB = 2**20
 SCOPED_VMEM = {"v5e": 16 * MiB, "v6e": 32 * MiB}  # XLA's default scoped VMEM limit per kernel
@@ -40,19 +42,52 @@ def _pool_bytes(case: aot_kernels.KernelCase) -> int:
     return pages.size * jnp.dtype(pages.dtype).itemsize
 
 
+def _tpu_shapes(case: aot_kernels.KernelCase, scales_as_rows: bool = True):
+    """The case's inputs; quantized pages' scale words in ``scale_rows_shape``, the shape the
+    TPU kernel reads in place (``case.all_shapes()`` has them as [..., P, S], which XLA:TPU
+    stores page-minor: see test_scales_per_slot_are_relaid_out)."""
+    shapes = case.all_shapes()
+    if case.kv_dtype and scales_as_rows:
+        shapes[-1] = jax.ShapeDtypeStruct(scale_rows_shape(case.shapes()[1].shape), jnp.int32)
+    return shapes
+
+
+def _row(chip, case, r, name=None):
+    return [chip, name or case.name, _pool_bytes(case) // MiB, r.temp_bytes, r.largest_copy(),
+            "/".join(str(v // 1024) for v in r.vmem_bytes),
+            _smem_estimate(case.batch, case.width) // 1024, f"{r.seconds:.1f}"]
+
+
 @pytest.mark.parametrize("chip", aot_tpu.CHIPS)
 @pytest.mark.parametrize("case", _cases(aot_kernels.sweep(full=True) + aot_kernels.EDGES))
 def test_kernel_compiles_without_copying_the_pool(chip, case, table):
-    args = [aot_tpu.abstract(chip, s.shape, s.dtype) for s in case.all_shapes()]
+    shapes = _tpu_shapes(case)
+    args = [aot_tpu.abstract(chip, s.shape, s.dtype) for s in shapes]
     r = aot_tpu.compile_for(chip, case.fn("tpu"), *args)
     pool = _pool_bytes(case)
-    smem = _smem_estimate(case.batch, case.width)
-    table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
-          [chip, case.name, pool // MiB, r.temp_bytes, r.largest_copy(),
-           "/".join(str(v // 1024) for v in r.vmem_bytes), smem // 1024, f"{r.seconds:.1f}"])
+    table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS, _row(chip, case, r))
     assert r.vmem_bytes, "no Mosaic kernel in the compiled program"
     assert max(r.vmem_bytes) <= SCOPED_VMEM[chip]
     assert r.temp_bytes < 0.1 * pool and r.largest_copy() < 0.1 * pool
+    if case.kv_dtype:  # nor of the scales (3% of an int8 pool at D = 64: below the bound above)
+        scales = shapes[-1].size * 4
+        i32_copies = [c for c in r.copies if c.shape.startswith("s32[")]
+        assert all(c.nbytes < 0.1 * scales for c in i32_copies), i32_copies
+
+
+@pytest.mark.parametrize("chip", aot_tpu.CHIPS)
+def test_scales_per_slot_are_relaid_out(chip, table):
+    """Why the TPU kernel takes its scales as ``scale_rows_shape``: given i32[L, K, P, S] with
+    S = 32 (``quant.py``'s shape), XLA:TPU stores the array page-minor (rows of 32 words would
+    fill a quarter of each 128-lane tile row) and copies all of it into the row-major layout the
+    kernel needs, on every call. The same words as [L, K, P / 4, 128] are read in place."""
+    case = next(c for c in aot_kernels.QUANTIZED if c.layers and c.kernel == "decode")
+    args = [aot_tpu.abstract(chip, s.shape, s.dtype)
+            for s in _tpu_shapes(case, scales_as_rows=False)]
+    r = aot_tpu.compile_for(chip, case.fn("tpu"), *args)
+    table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
+          _row(chip, case, r, case.name + " (scales [L, K, P, S])"))
+    assert r.largest_copy() == args[-1].size * 4  # the whole scale array, nothing else
 
 
 @pytest.mark.parametrize("rows, width", [(256, 2048), (1024, 8192)])
@@ -64,10 +99,7 @@ def test_page_table_does_not_live_in_smem(rows, width, table):
                                   width=width, pages=512)
     args = [aot_tpu.abstract("v5e", s.shape, s.dtype) for s in case.all_shapes()]
     r = aot_tpu.compile_for("v5e", case.fn("tpu"), *args)
-    table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS,
-          ["v5e", case.name, _pool_bytes(case) // MiB, r.temp_bytes, r.largest_copy(),
-           "/".join(str(v // 1024) for v in r.vmem_bytes),
-           _smem_estimate(rows, width) // 1024, f"{r.seconds:.1f}"])
+    table("TPU kernels (libtpu compile-only topology)", KERNEL_COLUMNS, _row("v5e", case, r))
     assert len(r.vmem_bytes) == 1  # the Mosaic kernel is in the program
 
 
@@ -98,6 +130,11 @@ STEPS = [
     # The engine's default width: max_model_len = 128K tokens -> 8,192 pages per row.
     ("v5e", aot_steps.StepCase("llama-3.2-1b", "decode", 2.0, 256, 256, 131072)),
     ("v6e", aot_steps.StepCase("llama-3-8b", "decode", 2.0, 128, 128, 8192)),
+    # int8 pages and their scale rows, written and read in place: head_dim 64, pages of 64/128.
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "decode", 1.0, 64, 64, 4096, page_size=64,
+                               kv_cache_dtype="int8")),
+    ("v6e", aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096, page_size=128,
+                               kv_cache_dtype="int8")),
 ]
 
 
@@ -120,6 +157,34 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
     assert r.temp_bytes < 0.1 * pool + sampler
     assert r.largest_copy() < 0.1 * pool
     assert r.alias_bytes >= pool  # the output pool reuses the donated input buffer
+    if state.kv_scales is not None:  # nor the scales (3% of an int8 pool: below the bound above)
+        scales = state.kv_scales.size * 4
+        i32_copies = [c for c in r.copies if c.shape.startswith("s32[")]
+        assert all(c.nbytes < 0.1 * scales for c in i32_copies), i32_copies
+
+
+def test_int8_step_on_tpu_copies_the_pool_to_write_it(table):
+    """What the real compiler does with an int8 pool at head_dim 128 today (a known limit,
+    docs/AOT.md): the step compiles, with one Mosaic kernel that reads the int8 pages and their
+    scale rows in place, but XLA:TPU writes a token's 256-byte K|V row into the int8 pool by
+    relaying the whole pool out and back (an s8 scatter of single rows into (32, 128)-tiled,
+    4-rows-to-a-word data), measured as s8 copies the size of the pool. At head_dim 64 (a
+    128-byte row, STEPS above) and in bf16 the same scatter runs in place. This test fails once
+    the write stops copying: then move the case to STEPS."""
+    case = aot_steps.StepCase("llama-3.2-3b", "prefill", 1.0, 512, 16, 4096, page_size=64,
+                              kv_cache_dtype="int8")
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
+    r = aot_tpu.compile_for("v5e", step, *aot_tpu.on_chip("v5e", (params, state, *inputs)))
+    pages = state.kv_pages.size  # int8: one byte each
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          ["v5e", case.name + f" W={case.max_model_len // case.page_size}",
+           aot_steps.pool_bytes(state) // MiB, f"{r.temp_bytes / MiB:.1f}",
+           f"{r.temp_bytes / pages:.4f}", f"{r.largest_copy() / MiB:.1f}",
+           r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    assert len(r.vmem_bytes) == 1  # the quantized kernel, not the reference
+    assert r.alias_bytes >= pages
+    pool_copies = [c for c in r.copies if c.shape.startswith("s8[") and c.nbytes == pages]
+    assert pool_copies, r.copies
 
 
 LOOP_COLUMNS = ["chip", "decode loop", "pool MiB", "temp MiB", "aliased MiB", "copies > 1 MiB",

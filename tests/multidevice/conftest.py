@@ -22,6 +22,10 @@ SLOW = {
     "test_greedy_tokens_equal_one_device[mqa-1-2]",
     "test_prefix_caching_and_preemption_under_tp2[gqa]",
     "test_after_warmup_tp2_serving_compiles_nothing[gqa]",
+    "test_int8_pages_and_scales_shard_by_kv_head[gqa-2]",
+    "test_int8_pages_and_scales_shard_by_kv_head[gqa-4]",
+    "test_int8_pages_and_scales_shard_by_kv_head[gqa-scan-4]",
+    "test_int8_pages_and_scales_shard_by_kv_head[mqa-2]",
 }
 
 

@@ -169,3 +169,22 @@ def test_pallas_kernels_run_per_device_inside_shard_map(impl):
         engine.add_request(str(i), prompt_token_ids=p, sampling_params=sp)
     final = drive(engine)
     assert [final[str(i)].outputs[0].token_ids for i in range(2)] == want
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_int8_pages_and_scales_shard_by_kv_head(model, tp):
+    """Quantized pages and their scales split by kv head; with prefix hits and preemption
+    the greedy tokens equal int8 on one device (the same quantized KV, computed per shard)."""
+    shape = dict(SHAPE, num_pages=14, kv_cache_dtype="int8")
+    want = jaxkv.generate(model, PROMPTS, GREEDY, page_size=8, kv_cache_dtype="int8")
+    engine = Engine(model, mesh=make_mesh(tp), **shape)
+    state = engine.state
+    assert spec(state.kv_scales) == (None, "tp", None, None)
+    assert bytes_per_device(state.kv_scales) == [state.kv_scales.nbytes // tp] * tp
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt_token_ids=p, sampling_params=GREEDY)
+    final = drive(engine)
+    assert engine.stats().preemptions > 0 and engine.stats().cached_prompt_tokens > 0
+    assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == want
+    assert spec(engine.state.kv_scales) == (None, "tp", None, None)
+    assert spec(engine.state.kv_pages) == (None, "tp", None, None, None)

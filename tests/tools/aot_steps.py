@@ -16,12 +16,13 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.cache.memory import PRESETS
-from jaxkv.kv import init_state
+from jaxkv.kv import init_state, kv_bytes_per_token
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
 from jaxkv.runtime.batch import PageTable, padding_batch
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
+from pallas_kernels.quant import storage_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +37,12 @@ class StepCase:
     max_model_len: int
     page_size: int = 16
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": quantized pages with scales
 
     @property
     def name(self) -> str:
-        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}"
+        kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
+        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}"
 
 
 def config_of(preset: str) -> ModelConfig:
@@ -63,9 +66,8 @@ def abstract_model(preset: str, dtype: str):
 
 
 def num_pages(case: StepCase) -> int:
-    c = config_of(case.model)
-    per_page = 2 * c.num_layers * c.num_kv_heads * c.head_dim * case.page_size
-    per_page *= jnp.dtype(case.dtype).itemsize
+    per_page = kv_bytes_per_token(config_of(case.model), storage_dtype(
+        case.kv_cache_dtype, case.dtype)) * case.page_size
     return int(case.pool_gib * 2**30) // per_page
 
 
@@ -75,7 +77,7 @@ def _abstract_state(case: StepCase):
     config = config_of(case.model)
     pages = num_pages(case)
     state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
-                                              jnp.dtype(case.dtype)))
+                                              jnp.dtype(case.dtype), case.kv_cache_dtype))
     return graphdef, params, state, pages, case.max_model_len // case.page_size
 
 
@@ -92,7 +94,9 @@ def step_inputs(case: StepCase, impl: str):
 
 
 def pool_bytes(state) -> int:
-    return int(state.kv_pages.size) * jnp.dtype(state.kv_pages.dtype).itemsize
+    """Bytes of the pool: pages, and scales when quantized."""
+    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize
+               for x in (state.kv_pages, state.kv_scales) if x is not None)
 
 
 def loop_inputs(case: StepCase, impl: str, max_steps: int = 8):

@@ -69,8 +69,8 @@ def on_chip(chip: str, tree):
     return jax.tree.map(lambda x: abstract(chip, x.shape, x.dtype), tree)
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4,
-                "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
 _COPY = re.compile(r"= ((\w+)\[([\d,]*)\])\{[^}]*\} copy\(")
 _SCOPED = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
 _VMEM_SIZE = re.compile(r'"memory_space":"1","offset":"\d+","size":"(\d+)"')
