@@ -41,6 +41,8 @@ def test_host_tier_serves_the_same_tokens_and_recomputes_less(tiny_model, kv):
     assert _conversations(on) == _conversations(off)
     s_off, s_on = off.stats(), on.stats()
     assert s_on.host_hit_tokens > 0 and s_on.host_kv_pages > 0
+    assert s_on.device_hit_tokens + s_on.host_hit_tokens == s_on.cached_prompt_tokens
+    assert s_on.device_hit_tokens >= 0
     assert s_on.host_kv_bytes == s_on.host_kv_pages * on.host_pool.page_bytes
     assert s_off.host_hit_tokens == 0 and s_off.host_kv_pages_total == 0
     # The history of every later turn was evicted from the device; with the tier it comes back.

@@ -38,7 +38,9 @@ def test_eviction_demotes_and_a_hit_promotes():
     assert m.num_tokens == 10 and list(m.pages) == back
     stats = radix.stats()
     assert stats["host_saved_pages"] == 3 and stats["host_loaded_pages"] == 3
-    assert stats["host_hit_tokens"] == 10 and stats["host_tokens"] == 0
+    assert stats["host_hit_tokens"] == 0 and stats["host_tokens"] == 0  # counted by `record`
+    radix.record(m, 11, 10, from_host=10)
+    assert radix.stats()["host_hit_tokens"] == 10
     radix.check()
 
 
@@ -76,7 +78,10 @@ def test_a_split_host_node_and_a_straddled_page():
     _insert(alloc, radix, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     radix.evict(3)
     radix.take_transfers()
-    assert radix.promote([1, 2, 3, 4, 5, 6]) == 9  # the whole node comes back
+    assert radix.promote([1, 2, 3, 4, 5, 6]) == 6  # only the matched part comes back
+    assert radix.cached_length([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 9  # the rest is still on host
+    assert radix.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]).num_tokens == 6
+    radix.check()
     radix.evict(3)
     radix.take_transfers()
     # An insert that diverges at position 6 splits the host node at a token inside page 1.
@@ -150,3 +155,41 @@ def test_multi_turn_conversations_come_back_from_the_host():
     assert on["host_loaded_pages"] > 0 and on["host_hit_tokens"] > 0
     # Every later turn's history comes back from the host instead of being recomputed.
     assert computed_on < 0.6 * computed_off, (computed_on, computed_off)
+
+
+def test_a_newer_entry_is_not_dropped_to_make_room_for_an_older_one():
+    """One LRU order: demoting an entry older than everything on the host drops it instead."""
+    alloc, host, radix = _cache(device_pages=4, host_slots=2)
+    _insert(alloc, radix, [1, 2, 3, 4, 5])
+    _insert(alloc, radix, [7, 8, 9, 10, 11])
+    radix.match_prefix([1, 2, 3, 4, 5])  # [1..5] is now the more recent
+    radix.evict(2)  # the LRU, [7..11], goes to the host
+    radix.match_prefix([7, 8, 9, 10, 11], peek=True)  # a look changes no recency
+    radix.match_prefix([1, 2, 3, 4, 5])
+    radix.evict(2)  # [1..5] is newer than the host's entry: it takes the host's place
+    assert radix.cached_length([7, 8, 9, 10, 11]) == 0 and radix.cached_length([1, 2, 3]) == 3
+    _insert(alloc, radix, [20, 21, 22, 23, 24])  # newest
+    radix.evict(2)  # demoting it would need an older host entry to drop: [1..5] is older
+    assert radix.cached_length([1, 2, 3, 4, 5]) == 0
+    old = _insert(alloc, radix, [30, 31, 32])  # the device has room again
+    del old
+    radix.check()
+
+
+def test_scheduler_counts_host_hits_only_for_what_a_request_reuses():
+    """A new prompt sharing 5 tokens of a 12-token host entry brings back (and counts) those
+    5, not the whole entry."""
+    alloc, host, radix = _cache(device_pages=8, host_slots=8)
+    _insert(alloc, radix, list(range(10, 22)))
+    radix.evict(3)
+    radix.take_transfers()
+    sched = Scheduler(alloc, radix, page_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                      eos_token_ids=(EOS,))
+    sched.add(_turn(0, list(range(10, 15)) + [99, 98, 97]))
+    plan = sched.schedule()
+    [(kind, slots, pages)] = radix.take_transfers()
+    assert kind == "load" and len(pages) == 2  # positions 0-4: two pages, not three
+    stats = radix.stats()
+    assert stats["hit_tokens"] == 5 and stats["host_hit_tokens"] == 5, stats
+    assert plan.prefill_rows[0].start == 5
+    radix.check()

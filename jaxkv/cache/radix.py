@@ -119,16 +119,18 @@ class RadixCache:
             self._stats["hit_tokens"] += matched
         return PrefixMatch(matched, tuple(pages), node)
 
-    def record(self, match: PrefixMatch, num_query_tokens: int, used: int | None = None
-               ) -> None:
+    def record(self, match: PrefixMatch, num_query_tokens: int, used: int | None = None,
+               from_host: int = 0) -> None:
         """Counts a query of ``num_query_tokens`` answered by ``match`` (from a ``peek``), of
-        which ``used`` tokens were reused (default: all matched), and refreshes its path's
-        recency: for a caller that peeks first and uses the match only if it can, so a query
-        retried every step is counted once."""
+        which ``used`` tokens were reused (default: all matched), ``from_host`` of them brought
+        back from the host tier for it, and refreshes its path's recency: for a caller that
+        peeks first and uses the match only if it can, so a query retried every step is
+        counted once."""
         if isinstance(match.handle, _Node) and match.handle.alive:
             self._touch(match.handle)
         self._stats["query_tokens"] += num_query_tokens
         self._stats["hit_tokens"] += match.num_tokens if used is None else used
+        self._stats["host_hit_tokens"] += from_host
 
     def _walk(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, int, list[int]]:
         """(deepest matched node, tokens matched, page per page index)."""
@@ -275,12 +277,18 @@ class RadixCache:
         below a dropped device entry go with it, and so does the rest of the host tier (a copy
         to it may not have run). Returns the number of pages that became free."""
         freed = self.evict(self.allocator.num_pages, demote=False)
-        if self.host is not None:
-            for root in self._roots.values():
-                for child in [c for c in root.children.values() if c.host]:
-                    self._drop_host_subtree(child)
+        self.drop_host_tier()
         self.transfers = []
         return freed
+
+    def drop_host_tier(self) -> None:
+        """Drops every host entry (when a copy to or from the host pool may not have run)."""
+        if self.host is None:
+            return
+        for node in list(self._nodes()):
+            if node.alive and not node.host:
+                for child in [c for c in node.children.values() if c.host]:
+                    self._drop_host_subtree(child)
 
     def _evict_leaf(self, leaf: _Node, need: int) -> None:
         """Drops the leaf's pages from the tail until `need` pages are free; if that is not
@@ -339,8 +347,8 @@ class RadixCache:
         n = len(leaf.pages)
         if not all(self._frees(leaf, i) for i in range(n)):
             return False
-        if self.host.num_free < n:
-            self._drop_host(n - self.host.num_free)
+        if self.host.num_free < n:  # one LRU order: only host entries older than this one go
+            self._drop_host(n - self.host.num_free, older_than=leaf.last_access)
         if self.host.num_free < n:
             return False
         slots = self.host.allocate(n)
@@ -356,16 +364,19 @@ class RadixCache:
         self._reindex(leaf.parent)
         return True
 
-    def _drop_host(self, need: int) -> None:
-        """Drops LRU unlocked host leaves until ``need`` slots are free (or none is left)."""
+    def _drop_host(self, need: int, older_than: int) -> None:
+        """Drops LRU unlocked host leaves used before ``older_than`` until ``need`` slots are
+        free (or none is left)."""
         free_before = self.host.num_free
-        heap = [(n.last_access, n.id, n) for n in self._host_leaves.values() if n.lock == 0]
+        heap = [(n.last_access, n.id, n) for n in self._host_leaves.values()
+                if n.lock == 0 and n.last_access <= older_than]
         heapq.heapify(heap)
         while heap and self.host.num_free - free_before < need:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             self._drop_host_subtree(leaf)
-            if parent.host and parent.id in self._host_leaves and parent.lock == 0:
+            if (parent.host and parent.id in self._host_leaves and parent.lock == 0
+                    and parent.last_access <= older_than):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
 
     def _drop_host_subtree(self, node: _Node) -> None:
@@ -403,13 +414,19 @@ class RadixCache:
     def promote(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Brings the host nodes on the longest cached path of ``tokens`` back to the device,
         top-down, while device pages can be had (evicting other LRU entries); each one's copy
-        is queued in `transfers`. Returns the number of tokens promoted."""
+        is queued in `transfers`. A node the query matches only partly is split first: only
+        the matched part moves. Returns the number of tokens promoted (the caller counts the
+        ones it reuses, with `record`)."""
         root = self._roots.get(salt)
         if self.host is None or root is None:
             return 0
         node, on_host = self._walk_nodes(tokens, root)
         if not on_host:
             return 0
+        matched = node.start + _common_len(node.key, tokens, node.start)
+        if matched < node.end:  # the query ends inside the deepest (host) node: split it
+            node = self._split(node, matched - node.start)
+            on_host[-1] = node
         self.lock(node)  # neither the device path nor these host nodes may go meanwhile
         promoted = 0
         try:
@@ -426,8 +443,18 @@ class RadixCache:
                 self._to_device(n, pages)
         finally:
             self.unlock(node)
-        self._stats["host_hit_tokens"] += promoted
         return promoted
+
+    def cached_length(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """How many leading tokens of ``tokens`` either tier holds (a look: no recency change,
+        no stats): what a router or the admission order should count as a hit."""
+        root = self._roots.get(salt)
+        if root is None:
+            return 0
+        node, _ = self._walk_nodes(tokens, root)
+        if node.parent is None:
+            return 0
+        return node.start + _common_len(node.key, tokens, node.start)
 
     def take_transfers(self) -> list[tuple[str, list[int], list[int]]]:
         """The copies queued since the last call, in the order they must run."""

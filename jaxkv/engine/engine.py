@@ -360,11 +360,14 @@ class Engine:
                 sampled = launched()
             except Exception as e:  # noqa: BLE001
                 error = e
+        if error is None and self.host_pool is not None:
+            try:  # saves of this step land while the next one runs
+                self.host_pool.flush()
+            except Exception as e:  # noqa: BLE001 - a save failed: its host entries are lost
+                error = e
         if error is not None:
             self._inflight = None  # a continuation of the failed requests, if any
             return outputs + self._fail(plan, error)
-        if self.host_pool is not None:  # saves of this step land while the next one runs
-            self.host_pool.flush()
         if launched is None:
             return outputs
         kind, tokens = sampled
@@ -602,11 +605,13 @@ class Engine:
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
             if self.radix is not None:
                 self.radix.clear()
-            if self.host_pool is not None:
-                self.host_pool.discard()
             if self.debug_nan_freed_pages:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.state = self._new_state()
+        if self.host_pool is not None:  # a failed step may have skipped or lost a host copy
+            self.radix.drop_host_tier()
+            self.radix.take_transfers()
+            self.host_pool.discard()
         return outputs
 
     def _output(self, request_id: str, entry: _Entry) -> RequestOutput | None:

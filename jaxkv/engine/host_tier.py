@@ -53,6 +53,9 @@ class HostKVPool:
         against ``state``; returns the new state (loads donate it)."""
         for kind, group in itertools.groupby(transfers, key=lambda t: t[0]):
             pairs = [p for _, src, dst in group for p in zip(src, dst, strict=True)]
+            if kind == "save":  # a slot saved twice in a row (freed, then reused): the last wins
+                last = {slot: i for i, (_, slot) in enumerate(pairs)}
+                pairs = [p for i, p in enumerate(pairs) if last[p[1]] == i]
             for part in self._padded(pairs):
                 if kind == "save":
                     self._save(state, part)

@@ -42,7 +42,7 @@ class ReplicatedEngine:
             e = self.replicas[i]
             return len(e._requests), e.stats().kv_pages_used, i
 
-        hits = [e.radix.match_prefix(prompt_ids[:-1], cache_salt, peek=True).num_tokens
+        hits = [e.radix.cached_length(prompt_ids[:-1], cache_salt)  # device and host tiers
                 if e.radix is not None else 0 for e in self.replicas]
         least = min(range(len(self.replicas)), key=load)
         best = max(hits)

@@ -212,7 +212,7 @@ class Scheduler:
             return 0
         key = (self.radix.version, len(req.token_ids))
         if req.peeked is None or req.peeked[0] != key:
-            n = self.radix.match_prefix(req.token_ids[:-1], req.cache_salt, peek=True).num_tokens
+            n = self.radix.cached_length(req.token_ids[:-1], req.cache_salt)  # both tiers
             req.peeked = (key, n)
         return req.peeked[1]
 
@@ -223,8 +223,12 @@ class Scheduler:
         s, tokens = self.page_size, req.token_ids
         match, cached = None, 0
         if self.radix is not None and not req.needs_prompt_logits:
+            on_device = len(tokens)  # what the device held before any promotion
             if self.radix.host is not None:  # host-tier entries on its path: copy them back
-                self.radix.promote(tokens[:-1], req.cache_salt)
+                on_device = self.radix.match_prefix(tokens[:-1], req.cache_salt,
+                                                    peek=True).num_tokens
+                if not self.radix.promote(tokens[:-1], req.cache_salt):
+                    on_device = len(tokens)  # nothing came back from the host
             # At most len - 1 tokens: the last token must run for its logits.
             # A peek: counted (and its recency refreshed) only if the request is admitted, so
             # an admission retried every step under memory pressure counts once.
@@ -260,7 +264,8 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
         if match is not None:
-            self.radix.record(match, len(tokens) - 1, cached)
+            self.radix.record(match, len(tokens) - 1, cached,
+                              from_host=max(0, cached - on_device))
         self.counters.cached_prompt_tokens += cached
         self.waiting.remove(req)
         self.running.append(req)

@@ -113,6 +113,7 @@ def warmup(engine) -> int:
                                                     [0] * size)] if kind == "host_save" else
                                     [("load", [0] * size, [engine.num_pages] * size)])
             pool.discard()
+            pool.saved_pages = pool.loaded_pages = 0
     engine._sample_keys(SamplingParams(n=2), 0)  # the per-request key derivation
     jax.block_until_ready(engine.state)
     return len(progs)

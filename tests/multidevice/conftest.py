@@ -26,6 +26,8 @@ SLOW = {
     "test_int8_pages_and_scales_shard_by_kv_head[gqa-4]",
     "test_int8_pages_and_scales_shard_by_kv_head[gqa-scan-4]",
     "test_int8_pages_and_scales_shard_by_kv_head[mqa-2]",
+    "test_host_tier_under_tp2_with_int8_pages[gqa]",
+    "test_host_tier_under_tp2_with_int8_pages[mqa]",
 }
 
 

@@ -188,3 +188,26 @@ def test_int8_pages_and_scales_shard_by_kv_head(model, tp):
     assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == want
     assert spec(engine.state.kv_scales) == (None, "tp", None, None)
     assert spec(engine.state.kv_pages) == (None, "tp", None, None, None)
+
+
+def test_host_tier_under_tp2_with_int8_pages(model):
+    """Conversations over a small pool with the host tier, int8 pages split by kv head: the
+    saved and loaded pages (values and scales) gather from and scatter to every shard, and the
+    greedy tokens equal one device without the tier."""
+    shape = dict(SHAPE, num_pages=12, max_num_seqs=2, kv_cache_dtype="int8")
+    on = Engine(model, mesh=make_mesh(2), host_kv_cache_bytes=2**20, **shape)
+    off = Engine(model, **shape)
+    outs = {}
+    for engine in (on, off):
+        history = {c: list(PROMPTS[c]) for c in range(4)}
+        for turn in range(2):
+            for c in range(4):
+                prompt = history[c] + [5 + turn, 6]
+                engine.add_request(f"{c}-{turn}", prompt_token_ids=prompt, sampling_params=GREEDY)
+                out = drive(engine)[f"{c}-{turn}"].outputs[0].token_ids
+                outs.setdefault(id(engine), []).append(out)
+                history[c] = prompt + out
+                engine.check()
+    assert outs[id(on)] == outs[id(off)]
+    assert on.stats().host_hit_tokens > 0
+    assert spec(on.state.kv_scales) == (None, "tp", None, None)
