@@ -218,7 +218,9 @@ def _serve(engine, requests):
 def test_engine_with_quantized_pages_equals_requests_run_alone(tiny_model, kv):
     """Prefix hits (a shared system prompt, a partly matched page copied), n = 2 forks
     sharing the prompt's pages, preemption in a small pool and NaN in every freed page: each
-    request's greedy tokens equal those of the same request alone in a fresh engine."""
+    request's greedy tokens equal those of the same request alone in a fresh engine. (Here no
+    token flips; in general int8 reuse and recompute may round a K/V value differently, see
+    docs/BENCHMARKS.md "Host-memory KV tier".)"""
     rng = np.random.default_rng(6)
     shared = rng.integers(4, 96, 18).tolist()
     prompts = [shared + rng.integers(4, 96, int(n)).tolist() for n in (3, 7, 12)]
