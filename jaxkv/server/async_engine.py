@@ -120,10 +120,12 @@ class AsyncEngine:
                     except ValueError:
                         pass
                     self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))
+            if self.on_step is not None and (busy or aborted):
+                # Under the lock, and before any client sees this step's outputs: /metrics
+                # read after a streamed chunk already counts the step that produced it.
+                self.on_step(outputs, seconds)
             for out in outputs:
                 self._deliver(out.request_id, out)
-            if self.on_step is not None and (busy or aborted):
-                self.on_step(outputs, seconds)  # under the lock: a consistent snapshot
         if not busy:
             self._wake.wait(timeout=0.5)
             self._wake.clear()
