@@ -43,12 +43,14 @@ def _pool_bytes(case: aot_kernels.KernelCase) -> int:
 
 
 def _tpu_shapes(case: aot_kernels.KernelCase, scales_as_rows: bool = True):
-    """The case's inputs; quantized pages' scale words in ``scale_rows_shape``, the shape the
-    TPU kernel reads in place (``case.all_shapes()`` has them as [..., P, S], which XLA:TPU
-    stores page-minor: see test_scales_per_slot_are_relaid_out)."""
+    """The case's inputs: quantized pages' scale words in ``scale_rows_shape`` (the pool's
+    layout, what ``case.all_shapes()`` has), or per page [..., P, S] (``scales_as_rows=False``,
+    which XLA:TPU stores page-minor: see test_scales_per_slot_are_relaid_out)."""
     shapes = case.all_shapes()
-    if case.kv_dtype and scales_as_rows:
-        shapes[-1] = jax.ShapeDtypeStruct(scale_rows_shape(case.shapes()[1].shape), jnp.int32)
+    if case.kv_dtype:
+        pages = case.shapes()[1].shape
+        shape = scale_rows_shape(pages) if scales_as_rows else pages[:-1]
+        shapes[-1] = jax.ShapeDtypeStruct(shape, jnp.int32)
     return shapes
 
 
