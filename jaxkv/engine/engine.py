@@ -27,7 +27,7 @@ import time
 import jax
 import numpy as np
 
-from jaxkv.attention import check_page_size
+from jaxkv.attention import check_page_size, kernel_for
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine import logprobs
@@ -59,7 +59,7 @@ from jaxkv.runtime.sampling import (
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
 from jaxkv.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from jaxkv.sharding import shard, shard_state
-from pallas_kernels.quant import storage_dtype
+from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
 
 _log = logging.getLogger(__name__)
 
@@ -134,6 +134,11 @@ class Engine:
             raise ValueError(f"Engine: {e}") from None
         self.kv_cache_dtype = kv_cache_dtype
         _positive_int("num_pages", num_pages)
+        g = pages_per_scale_row(page_size)
+        if is_quantized(self.kv_dtype) and num_pages % g and kernel_for(attention_impl) == "gpu":
+            _log.warning("num_pages=%d is not a multiple of %d (pages per row of scale words at "
+                         "page_size %d): the GPU kernels will copy the scales on every call; "
+                         "LLM sizes pools in whole rows", num_pages, g, page_size)
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
