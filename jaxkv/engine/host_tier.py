@@ -25,7 +25,7 @@ import itertools
 import jax
 import numpy as np
 
-from jaxkv.runtime.page_copy import gather_pages, load_pages
+from jaxkv.runtime.page_copy import gather_pages, load_pages, padded_parts
 
 
 class HostKVPool:
@@ -56,7 +56,7 @@ class HostKVPool:
             if kind == "save":  # a slot saved twice in a row (freed, then reused): the last wins
                 last = {slot: i for i, (_, slot) in enumerate(pairs)}
                 pairs = [p for i, p in enumerate(pairs) if last[p[1]] == i]
-            for part in self._padded(pairs):
+            for part in padded_parts(pairs, self.sizes):
                 if kind == "save":
                     self._save(state, part)
                 else:
@@ -75,12 +75,6 @@ class HostKVPool:
     def discard(self) -> None:
         """Forgets saves in flight (the device state they read was lost)."""
         self._pending = []
-
-    def _padded(self, pairs):
-        while pairs:
-            n = next((k for k in self.sizes if k >= len(pairs)), self.sizes[-1])
-            yield pairs[:n], n
-            pairs = pairs[n:]
 
     def _save(self, state, part) -> None:
         pairs, n = part

@@ -77,13 +77,20 @@ def fill_pages_padded(state: PagedKVState, pages, value, chunk: int = 64) -> Pag
     return state
 
 
+def padded_parts(items, sizes):
+    """``items`` in parts, each with the size of the program that runs it: the smallest of
+    ``sizes`` that holds what is left, else the largest (so few programs compile)."""
+    items = list(items)
+    while items:
+        n = next((k for k in sizes if k >= len(items)), sizes[-1])
+        yield items[:n], n
+        items = items[n:]
+
+
 def copy_pages_padded(state: PagedKVState, pairs, sizes=(8, 64)) -> PagedKVState:
     """`copy_pages` of (src, dst) pairs, padded to the smallest of ``sizes`` that holds them
     (in several calls of the largest when none does), so few programs compile."""
-    pairs = list(pairs)
-    while pairs:
-        n = next((k for k in sizes if k >= len(pairs)), sizes[-1])
-        part, pairs = pairs[:n], pairs[n:]
+    for part, n in padded_parts(pairs, sizes):
         src = np.zeros(n, np.int32)
         dst = np.full(n, state.num_pages, np.int32)  # out of range: dropped
         for i, (s, d) in enumerate(part):
