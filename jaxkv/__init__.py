@@ -7,6 +7,7 @@ Quick use::
     jaxkv.generate(model, ["def fib(n):"], jaxkv.SamplingParams(temperature=0, max_tokens=32))
 """
 
+from jaxkv.engine.disagg import DisaggregatedEngine
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.generate import generate, generate_no_cache, generate_with_stats
 from jaxkv.engine.llm import LLM
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CompletionOutput",
+    "DisaggregatedEngine",
     "Engine",
     "EngineStats",
     "KVStateError",

@@ -193,6 +193,11 @@ def _add_serve_parser(subparsers) -> None:
                    help="KV pages' dtype: auto (the compute dtype) or quantized (default auto)")
     p.add_argument("--host-kv-cache-gib", type=float, default=0.0,
                    help="host memory for prefix-cache pages evicted from the device (GiB)")
+    p.add_argument("--prefill-devices", default=None,
+                   help="prefill/decode disaggregation: device indices of the prefill engine, "
+                        "e.g. 0,1 (with --decode-devices)")
+    p.add_argument("--decode-devices", default=None,
+                   help="device indices of the decode engine, e.g. 2,3,4,5")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests accepted before answering 429")
     p.add_argument("--no-warmup", action="store_true",
@@ -205,6 +210,7 @@ def run_serve(args) -> int:
     import jaxkv
     from jaxkv.server import serve
 
+    sides = _device_lists(args.prefill_devices, args.decode_devices)
     llm = jaxkv.LLM(args.model, dtype=args.dtype, page_size=args.page_size,
                     num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len,
@@ -213,12 +219,37 @@ def run_serve(args) -> int:
                     tensor_parallel_size=args.tensor_parallel_size,
                     data_parallel_size=args.data_parallel_size,
                     kv_cache_dtype=args.kv_cache_dtype,
-                    host_kv_cache_bytes=int(args.host_kv_cache_gib * 2**30))
+                    host_kv_cache_bytes=int(args.host_kv_cache_gib * 2**30), **sides)
     if not args.no_warmup:
         llm.engine.warmup()
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
           host=args.host, port=args.port, max_pending=args.max_pending)
     return 0
+
+
+def _device_lists(prefill: str | None, decode: str | None) -> dict:
+    """LLM arguments for --prefill-devices/--decode-devices: each side tensor parallel over
+    the devices it lists."""
+    if prefill is None and decode is None:
+        return {}
+    if prefill is None or decode is None:
+        raise ValueError("--prefill-devices and --decode-devices go together: pass both")
+    import jax
+
+    devices, out = jax.devices(), {}
+    for side, text in (("prefill", prefill), ("decode", decode)):
+        try:
+            ids = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"--{side}-devices: expected device indices like 0,1, got "
+                             f"{text!r}") from None
+        bad = [i for i in ids if not 0 <= i < len(devices)]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"--{side}-devices: {text!r} must list distinct indices in "
+                             f"[0, {len(devices)})")
+        out[f"{side}_devices"] = [devices[i] for i in ids]
+        out[f"{side}_tensor_parallel_size"] = len(ids)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

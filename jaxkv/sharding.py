@@ -79,21 +79,27 @@ def _names(path) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
 
 
-def _expand_kv_heads(module: Llama, tp: int) -> Llama:
-    """The same model with ``tp`` kv heads: head j is a copy of head j * K // tp."""
-    c = module.config
-    k, d = c.num_kv_heads, c.head_dim
+def _expand_kv_params(params, config: ModelConfig, tp: int):
+    """Params of a model with ``config`` given ``tp`` kv heads: head j of wk, wv (and their
+    biases) a copy of head j * K // tp. On the host (numpy), so placing new weights compiles
+    nothing."""
+    k, d = config.num_kv_heads, config.head_dim
     source = np.arange(tp) * k // tp
 
     def expand(path, x):
         if not set(_names(path)) & {"wk", "wv", "bk", "bv"}:
             return x
-        heads = x.reshape(*x.shape[:-1], k, d)[..., source, :]
+        heads = np.asarray(x).reshape(*x.shape[:-1], k, d)[..., source, :]
         return heads.reshape(*x.shape[:-1], tp * d)
 
+    return jax.tree_util.tree_map_with_path(expand, params)
+
+
+def _expand_kv_heads(module: Llama, tp: int) -> Llama:
+    """The same model with ``tp`` kv heads: head j is a copy of head j * K // tp."""
     graphdef, params = nnx.split(module)
-    new = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(expand, params))
-    new.config = dataclasses.replace(c, num_kv_heads=tp)
+    new = nnx.merge(graphdef, _expand_kv_params(params, module.config, tp))
+    new.config = dataclasses.replace(module.config, num_kv_heads=tp)
     return new
 
 
@@ -142,6 +148,28 @@ def shard(model: Model, mesh: Mesh) -> Model:
     graphdef, params = nnx.split(module)
     params = jax.device_put(params, param_shardings(params, mesh))
     return Model(module.config, graphdef, params, model.tokenizer, model.path)
+
+
+def commit(params):
+    """``params`` (any pytree) committed to the devices they are on (host leaves: the default
+    device), without a copy. jit specializes on whether its arguments are committed, and
+    `place_params` places new weights committed, so an engine commits its first weights and
+    its KV state (whose every later version, a program's output, is committed)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.device_put(x).sharding), params)
+
+
+def place_params(params, like, config: ModelConfig):
+    """``params`` (a pytree of a model with ``config``, as one device or a trainer holds it)
+    laid out like ``like`` (the params serving runs, e.g. `shard`'s output): kv heads
+    replicated as `shard` does when the mesh has more devices than kv heads, then each leaf
+    placed, committed, with the sharding of its counterpart in ``like``. The programs compiled
+    for ``like`` then run the new params as they are (`Engine.update_params`)."""
+    shardings = jax.tree.map(lambda x: x.sharding, like)
+    mesh = getattr(jax.tree.leaves(shardings)[0], "mesh", None)
+    tp = tp_size(mesh) if isinstance(mesh, Mesh) else 1
+    if config.num_kv_heads < tp:
+        params = _expand_kv_params(params, config, tp)
+    return jax.device_put(params, shardings)
 
 
 def shard_state(state: PagedKVState, mesh: Mesh) -> PagedKVState:

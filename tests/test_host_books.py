@@ -26,7 +26,7 @@ POISON = ("poison",)
 
 
 class FakeDevice:
-    """What the device's pages hold: contents[page][offset] = (salt, tokens[:position + 1])."""
+    """What the device's pages hold: contents[page][offset] = (namespace, tokens[:pos + 1])."""
 
     def __init__(self, num_pages: int, page_size: int, host_slots: int = 0):
         self.s = page_size
@@ -54,14 +54,14 @@ class FakeDevice:
             req = row.request
             for pos in range(row.start):  # the cached context this row attends to
                 got = self.pages[row.pages[pos // self.s]][pos % self.s]
-                want = (req.cache_salt, tuple(req.token_ids[:pos + 1]))
+                want = (req.cache_namespace, tuple(req.token_ids[:pos + 1]))
                 assert got == want, (f"{req.request_id}/{req.sample_index} position {pos} of "
                                      f"{row.start}: reads {got}")
             for i in range(len(row.tokens)):  # then writes the K/V of its new tokens
                 pos = row.start + i
                 assert req.token_ids[pos] == row.tokens[i]
                 self.pages[row.pages[pos // self.s]][pos % self.s] = (
-                    req.cache_salt, tuple(req.token_ids[:pos + 1]))
+                    req.cache_namespace, tuple(req.token_ids[:pos + 1]))
 
     def check_radix(self, radix: RadixCache):
         """Every node's pages hold the KV of its path's tokens (from its first page's start)."""

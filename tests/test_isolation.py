@@ -8,6 +8,7 @@ test_engine_traces.py.)
 import numpy as np
 
 from jaxkv import Engine, SamplingParams
+from jaxkv.engine.request import cache_namespace
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -42,5 +43,5 @@ def test_different_salts_never_share_pages_or_hits(tiny_model, tiny_config):
                for out in final.values()}
     assert outputs == {True}
     # Each served tenant has its own copy; a new tenant finds nothing of anyone's.
-    assert engine.radix.match_prefix(prompt, "bob").num_tokens >= len(prompt)
-    assert engine.radix.match_prefix(prompt, "carol").num_tokens == 0
+    assert engine.radix.match_prefix(prompt, cache_namespace("bob", 0)).num_tokens >= len(prompt)
+    assert engine.radix.match_prefix(prompt, cache_namespace("carol", 0)).num_tokens == 0

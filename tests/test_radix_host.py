@@ -6,7 +6,7 @@ from test_host_books import EOS, FakeDevice
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
-from jaxkv.engine.request import Request
+from jaxkv.engine.request import Request, cache_namespace
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.sampling_params import SamplingParams
 
@@ -180,7 +180,7 @@ def test_scheduler_counts_host_hits_only_for_what_a_request_reuses():
     """A new prompt sharing 5 tokens of a 12-token host entry brings back (and counts) those
     5, not the whole entry."""
     alloc, host, radix = _cache(device_pages=8, host_slots=8)
-    _insert(alloc, radix, list(range(10, 22)))
+    _insert(alloc, radix, list(range(10, 22)), cache_namespace(None, 0))  # the scheduler's
     radix.evict(3)
     radix.take_transfers()
     sched = Scheduler(alloc, radix, page_size=4, max_num_seqs=2, max_num_batched_tokens=32,

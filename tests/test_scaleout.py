@@ -44,3 +44,22 @@ def test_bench_scaleout_small_run():
     # with every kv head stored twice, and over 8 GPUs once: 40,960 B either way.
     assert run.stdout.count(" 40,960 ") == 2
     assert "reproduce: python scripts/bench_scaleout.py" in run.stdout
+
+
+def test_bench_disagg_small_run():
+    """Disaggregated serving on 1 + 2 virtual devices: the tokens equal colocated serving's
+    and the second request moves only the pages past the shared prefix (whole pages of it are
+    in the decode side's prefix cache by then)."""
+    run = subprocess.run([sys.executable, "scripts/bench_disagg.py", "--requests", "2",
+                          "--shared", "32", "--unique", "8", "--max-tokens", "3",
+                          "--decode-tp", "2", "--pages", "1,4", "--repeats", "1"],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                         text=True, cwd=HERE.parent, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [ln.strip("|").split("|") for ln in run.stdout.splitlines() if ln.startswith("| 2 ")]
+    cells = [c.strip() for c in rows[0]]
+    # 2 prompts of 40 tokens: 3 pages of 16 each; the second finds 2 whole pages cached.
+    assert cells[:5] == ["2", "2/2", "6", "4", "2"], cells
+    # bytes: 4 pages x 16 tokens x 4 layers x 2 kv heads x (2 x 32 x 4 B)
+    assert cells[5] == f"{4 * 16 * 4 * 2 * 256:,}"
+    assert "reproduce: python scripts/bench_disagg.py --requests 2" in run.stdout

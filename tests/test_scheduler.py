@@ -162,7 +162,7 @@ def test_partial_page_match_is_copied_and_full_pages_shared():
     drain(s)  # caches 12 computed tokens: 3 pages
     b = add(s, prompt[:10] + [50, 51], max_tokens=2)
     plan = step(s)
-    cached = s.radix.match_prefix(prompt[:10]).pages
+    cached = s.radix.match_prefix(prompt[:10], b.cache_namespace).pages
     assert b.num_cached_tokens == 10 and plan.prefill_rows[0].start == 10
     assert b.pages[:2] == list(cached[:2])  # whole pages shared
     assert plan.copies == [(cached[2], b.pages[2])]  # the partly matched page is copied

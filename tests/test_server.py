@@ -327,3 +327,31 @@ def test_a_batch_of_prompts_with_a_bad_one_leaves_nothing_running(server):
         server.client.completions.create(model=MODEL, prompt=[[5, 6, 7], too_long],
                                          max_tokens=50, temperature=0)
     _wait_idle(server)
+
+
+def test_a_disaggregated_engine_serves_and_counts_its_transfers(server):
+    from jaxkv import Engine
+    from jaxkv.engine.disagg import DisaggregatedEngine
+
+    llm = jaxkv.LLM(server.llm.model, max_model_len=256, num_pages=128, max_num_seqs=8)
+    shape = dict(page_size=16, num_pages=64, max_num_seqs=8, max_model_len=256)
+    llm.engine = DisaggregatedEngine(Engine(llm.model, **shape), Engine(llm.model, **shape))
+    s = Server(llm)
+    try:
+        kwargs = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+        whole = s.client.completions.create(**kwargs)
+        streamed = "".join(c.choices[0].text for c in s.client.completions.create(
+            **kwargs, stream=True) if c.choices)
+        assert whole.choices[0].text == streamed == offline(server.oracle, PROMPTS[2],
+                                                            max_tokens=16, temperature=0)
+        r = s.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, n=2,
+                                        temperature=0)
+        assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text
+        time.sleep(0.2)
+        m = s.metrics()
+        assert m["jaxkv:kv_transfers_total"] == 3  # every request's KV moved once
+        assert m["jaxkv:kv_transfer_pages_total"] >= 3
+        assert m["jaxkv:num_requests_running"] == 0
+        llm.engine.check()
+    finally:
+        s.close()

@@ -1,8 +1,11 @@
 """RadixCache: token-exact prefix caching over paged KV (in the spirit of SGLang's RadixAttention).
 
-Plain Python (no jax). A radix tree per namespace (`salt`) maps token prefixes to the pages that
-hold their KV. Token position i of every sequence lives at offset i % S of the sequence's page
-i // S, so pages line up by absolute position and a prefix's pages are reusable as they are.
+Plain Python (no jax). A radix tree per namespace maps token prefixes to the pages that hold
+their KV. A namespace (``salt``) is any hashable key, opaque here: the engine uses (cache_salt,
+weight version), so neither another tenant nor other weights ever reuse an entry
+(`jaxkv.engine.request.cache_namespace`); None when the caller needs no namespaces. Token
+position i of every sequence lives at offset i % S of the sequence's page i // S, so pages line
+up by absolute position and a prefix's pages are reusable as they are.
 
 Node layout: a node's edge label covers absolute positions [start, end) and the node holds one
 reference on the page of each page index start // S .. (end - 1) // S. When a boundary falls
@@ -28,7 +31,7 @@ import dataclasses
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for annotations: this file runs on the standard library alone
@@ -86,7 +89,7 @@ class RadixCache:
         self.host = host_allocator
         self.transfers: list[tuple[str, list[int], list[int]]] = []  # see the module docstring
         self.page_size = page_size
-        self._roots: dict[str | None, _Node] = {}
+        self._roots: dict[Hashable, _Node] = {}  # a tree per namespace
         self._ids = itertools.count()
         self._clock = 0
         self._cached_tokens = 0
@@ -102,7 +105,7 @@ class RadixCache:
         self._leaves: dict[int, _Node] = {}
         self._host_leaves: dict[int, _Node] = {}
 
-    def match_prefix(self, tokens: Sequence[int], salt: str | None = None, *,
+    def match_prefix(self, tokens: Sequence[int], salt: Hashable = None, *,
                      peek: bool = False) -> PrefixMatch:
         """The longest cached prefix of `tokens` in namespace `salt`.
 
@@ -171,8 +174,10 @@ class RadixCache:
             raise ValueError("stale handle: its node was evicted (lock right after matching)")
         return handle
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None = None) -> int:
-        """Caches the KV of `tokens` (positions 0 .. len - 1), stored in `pages`.
+    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+               salt: Hashable = None) -> int:
+        """Caches the KV of `tokens` (positions 0 .. len - 1), stored in `pages`, in
+        namespace `salt`.
 
         The cache shares (takes its own reference on) every page it newly stores, so the caller
         still frees its own. Already-cached positions keep the cache's pages. Returns the number
@@ -265,7 +270,8 @@ class RadixCache:
                     and self._frees(parent, len(parent.pages) - 1)):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._stats["evicted_pages"] += freed
-        # Drop namespaces left empty, so per-request salts do not accumulate roots.
+        # Drop namespaces left empty, so per-request salts (and past weight versions) do not
+        # accumulate roots.
         self._roots = {k: r for k, r in self._roots.items()
                        if r.children or r.lock or k is None}
         return freed
@@ -411,7 +417,7 @@ class RadixCache:
         self.allocator.share(own)
         self._to_device(node, own)
 
-    def promote(self, tokens: Sequence[int], salt: str | None = None) -> int:
+    def promote(self, tokens: Sequence[int], salt: Hashable = None) -> int:
         """Brings the host nodes on the longest cached path of ``tokens`` back to the device,
         top-down, while device pages can be had (evicting other LRU entries); each one's copy
         is queued in `transfers`. A node the query matches only partly is split first: only
@@ -445,7 +451,7 @@ class RadixCache:
             self.unlock(node)
         return promoted
 
-    def cached_length(self, tokens: Sequence[int], salt: str | None = None) -> int:
+    def cached_length(self, tokens: Sequence[int], salt: Hashable = None) -> int:
         """How many leading tokens of ``tokens`` either tier holds (a look: no recency change,
         no stats): what a router or the admission order should count as a hit."""
         root = self._roots.get(salt)
@@ -559,7 +565,7 @@ class RadixCache:
         if self.host is not None:  # only the cache holds host slots: counts must be exact
             self.host.check([[p] for p in host_held])
 
-    def _root(self, salt: str | None) -> _Node:
+    def _root(self, salt: Hashable) -> _Node:
         if salt not in self._roots:
             self._roots[salt] = _Node([], 0, [], None, next(self._ids))
         return self._roots[salt]

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import numbers
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from jaxkv.attention import check_page_size, kernel_for
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
-from jaxkv.engine import logprobs
+from jaxkv.engine import logprobs, weights
 from jaxkv.engine import warmup as compile_ahead
 from jaxkv.engine.detokenizer import IncrementalDetokenizer
 from jaxkv.engine.host_tier import HostKVPool
@@ -58,7 +59,7 @@ from jaxkv.runtime.sampling import (
 )
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
 from jaxkv.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
-from jaxkv.sharding import shard, shard_state
+from jaxkv.sharding import commit, place_params, shard, shard_state
 from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
 
 _log = logging.getLogger(__name__)
@@ -74,7 +75,19 @@ class _Loop:
     generated: list[int]  # output tokens of each row at its start
     table: np.ndarray  # the page table it was given (host)
     after: DecodeLoopBatch  # device: the inputs of a continuation
-    read: object  # () -> ("loop", tokens per row)
+    read: _Read  # () -> ("loop", tokens per row)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """Reads a dispatched program's tokens back: () -> (kind, tokens per row). ``version``:
+    the weights it was dispatched with, which sampled those tokens (`Engine.update_params`)."""
+
+    fn: Callable[[], tuple[str, list]]
+    version: int | str
+
+    def __call__(self) -> tuple[str, list]:
+        return self.fn()
 
 
 @dataclasses.dataclass
@@ -115,6 +128,11 @@ class Engine:
     ``host_kv_cache_bytes``: a host-memory tier behind the prefix cache (`HostKVPool`): pages
     the device pool evicts are copied there instead of dropped, and a later prefix hit copies
     them back instead of recomputing them.
+
+    `update_params` swaps the weights between two steps (RL rollouts), compiling nothing:
+    requests in flight restart their KV under the new weights (or keep it, by choice), the
+    prefix cache is keyed by weight version so nothing computed by other weights is reused,
+    and every output token records the version that sampled it (``weight_versions``).
     """
 
     def __init__(self, model: Model, *, page_size: int = 16, num_pages: int,
@@ -123,8 +141,12 @@ class Engine:
                  attention_impl: str = "auto", seed: int = 0, debug_nan_freed_pages: bool = False,
                  mesh=None, max_decode_steps: int | None = None, async_scheduling: bool = True,
                  kv_cache_dtype: str = "auto", host_kv_cache_bytes: int = 0):
+        # What update_params checks new weights against: the model as given (unsharded).
+        self._source_config, self._param_specs = model.config, weights.param_specs(model.params)
         if mesh is not None:  # tensor parallel: weights and KV pages split by head
             model = shard(model, mesh)
+        else:  # committed, as update_params places new weights: the same programs run them
+            model = dataclasses.replace(model, params=commit(model.params))
         cfg = model.config
         _positive_int("page_size", page_size)
         try:
@@ -179,6 +201,7 @@ class Engine:
         self._num_added = self._prompt_tokens = self._steps = 0
         self.async_scheduling = bool(async_scheduling)
         self._inflight: _Loop | None = None  # a loop dispatched ahead, its tokens unread
+        self.state_resets = 0  # KV states rebuilt after a failed step lost one
 
     def _host_pool(self, nbytes, enable_prefix_caching: bool) -> HostKVPool | None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
@@ -204,7 +227,9 @@ class Engine:
     def _new_state(self):
         state = init_state(self.model.config, self.num_pages, self.page_size, self.model.dtype,
                            self.kv_cache_dtype)
-        return state if self.mesh is None else shard_state(state, self.mesh)
+        # Committed, like the params (`commit`): jit specializes on it, so a step's output
+        # state (committed) runs in the same programs as the first one.
+        return commit(state) if self.mesh is None else shard_state(state, self.mesh)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -271,7 +296,8 @@ class Engine:
         return [int(t) for t in prompt_token_ids]
 
     def _check_fits(self, request_id: str, prompt_len: int, sp: SamplingParams) -> None:
-        total = prompt_len + sp.max_tokens
+        # A prefill engine of a DisaggregatedEngine holds a request until its first token.
+        total = prompt_len + (1 if self.scheduler.hand_off_after_prefill else sp.max_tokens)
         if prompt_len >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: the prompt has {prompt_len} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
@@ -378,6 +404,12 @@ class Engine:
         kind, tokens = sampled
         update = self.scheduler.update if kind == "step" else self.scheduler.update_loop
         progressed = update(plan, tokens, time.time())
+        # The weights that sampled them: those the program was dispatched with (a loop read
+        # after an update ran with the old ones); a caller's own reader (scripts/
+        # profile_runtime.py replays one) read a program of the current weights.
+        version = getattr(launched, "version", self.weight_version)
+        for seq in progressed:
+            seq.token_versions += [version] * (seq.num_output_tokens - len(seq.token_versions))
         for rid in dict.fromkeys(r.request_id for r in progressed):
             entry = self._requests[rid]
             out = self._output(rid, entry)
@@ -447,7 +479,7 @@ class Engine:
                 logprobs.record_prompt_logprobs(*prompt_lps, self.model.tokenizer)
             return "step", [[int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
                             else None for r in rows]
-        return read
+        return _Read(read, self.weight_version)
 
     def _sampling(self, seqs, rows: int | None = None):
         """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""
@@ -526,7 +558,8 @@ class Engine:
             got = np.asarray(out)
             self._steps += int((got >= 0).any(axis=1).sum())
             return "loop", [[int(t) for t in got[:, i] if t >= 0] for i in range(rows)]
-        return _Loop(plan, starts, limits, generated, table, after, read)
+        return _Loop(plan, starts, limits, generated, table, after,
+                     _Read(read, self.weight_version))
 
     def _chain(self, current: _Loop) -> _Loop | None:
         """Dispatches the continuation of a loop whose tokens are not read yet, or returns
@@ -561,6 +594,47 @@ class Engine:
             limit[i] = limits[i]
         loop = current.after.replace(page_table=table, limit=limit, num_steps=np.int32(n))
         return self._run_loop(current.plan, loop, starts, limits, generated, table)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int | str:
+        """The version of the weights served (0 at construction; see `update_params`)."""
+        return self.scheduler.weight_version
+
+    def update_params(self, params, *, version: int | str | None = None,
+                      in_flight: str = "restart") -> None:
+        """Serves new weights from the next step on (an RL rollout pipeline's update), with
+        nothing compiled: the programs take the params as an argument.
+
+        ``params``: a `jaxkv.Model` or a params pytree with the tree, shapes and dtypes of the
+        model this engine was built from (its ``Model.params``, unsharded, as a trainer holds
+        them); with a mesh, each leaf is placed like the one it replaces (kv heads replicated
+        as `jaxkv.shard` did). ``version`` (an int or a str; default the current one + 1)
+        names them: every output token records the version that sampled it
+        (`CompletionOutput.weight_versions`; a decode loop dispatched before the update
+        sampled with the old weights), and prefix-cache entries are keyed by the version
+        their KV was computed with, so no request reuses KV of other weights (in either
+        tier; old entries age out by LRU). A version names one set of weights: passing an
+        earlier version again with other weights would let stale entries hit.
+
+        ``in_flight="restart"``: running requests keep the tokens already returned and
+        recompute their KV (prompt + those tokens) with the new weights, as after a
+        preemption (counted as one); a decode loop in flight is dropped, its unread tokens
+        never reported. ``"keep"``: they keep their KV, computed by the old weights, and
+        decode on with the new ones (stale KV, by choice). Waiting requests always compute
+        with the new weights. Raises ValueError naming ``params`` (and the offending leaf
+        path), ``version`` or ``in_flight``, changing nothing.
+        """
+        weights.check_in_flight(in_flight)
+        version = weights.next_version(self.weight_version, version)
+        params = weights.source_params(params, self._source_config, self._param_specs)
+        placed = place_params(params, self.model.params, self._source_config)
+        if in_flight == "restart":
+            self._inflight = None  # sampled by the old weights: its tokens are never read
+            self.scheduler.preempt_all()  # nothing cached: that KV is of the old weights
+        self.model = dataclasses.replace(self.model, params=placed)
+        self.scheduler.weight_version = version
 
     def programs(self) -> list[tuple[str, int]]:
         """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
@@ -613,6 +687,7 @@ class Engine:
             if self.debug_nan_freed_pages:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.state = self._new_state()
+            self.state_resets += 1  # (a DisaggregatedEngine's hand-offs lost their KV too)
         if self.host_pool is not None:  # a failed step may have skipped or lost a host copy
             self.radix.drop_host_tier()
             self.radix.take_transfers()
@@ -629,9 +704,10 @@ class Engine:
         outs = []
         for s in entry.samples:
             tokens, text = s.output_token_ids, s.text(s.is_done)
+            versions = list(s.token_versions)
             if sp.output_kind is RequestOutputKind.DELTA:
                 (n, c), s.emitted = s.emitted, (len(tokens), len(text))
-                tokens, text = tokens[n:], text[c:]
+                tokens, text, versions = tokens[n:], text[c:], versions[n:]
             lps = cum = None
             if s.logprobs is not None:
                 every = s.logprobs[:s.num_output_tokens]
@@ -640,7 +716,7 @@ class Engine:
             outs.append(CompletionOutput(index=s.sample_index, token_ids=tokens,
                                          finish_reason=s.finish_reason, text=text,
                                          stop_reason=s.stop_reason, logprobs=lps,
-                                         cumulative_logprob=cum))
+                                         cumulative_logprob=cum, weight_versions=versions))
         first = entry.samples[0]
         prompt_lps = first.prompt_logprobs
         if prompt_lps is not None and (first.needs_prompt_logits or (

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxkv.engine.engine import Engine
-from jaxkv.engine.request import EngineStats, RequestOutput
+from jaxkv.engine.request import EngineStats, RequestOutput, cache_namespace
+from jaxkv.engine.weights import check_in_flight, next_version
 from jaxkv.sampling_params import SamplingParams
 
 
@@ -42,7 +43,8 @@ class ReplicatedEngine:
             e = self.replicas[i]
             return len(e._requests), e.stats().kv_pages_used, i
 
-        hits = [e.radix.cached_length(prompt_ids[:-1], cache_salt)  # device and host tiers
+        hits = [e.radix.cached_length(prompt_ids[:-1],  # device and host tiers
+                                      cache_namespace(cache_salt, e.weight_version))
                 if e.radix is not None else 0 for e in self.replicas]
         least = min(range(len(self.replicas)), key=load)
         best = max(hits)
@@ -92,6 +94,20 @@ class ReplicatedEngine:
 
     def warmup(self) -> int:
         return sum(e.warmup() for e in self.replicas)
+
+    @property
+    def weight_version(self) -> int | str:
+        return self.replicas[0].weight_version
+
+    def update_params(self, params, *, version: int | str | None = None,
+                      in_flight: str = "restart") -> None:
+        """`Engine.update_params` on every replica, under one version: each places the new
+        weights on its own devices, compiling nothing. The first replica checks the input
+        before any replica changes (they were all built from the same model)."""
+        check_in_flight(in_flight)
+        version = next_version(self.weight_version, version)
+        for e in self.replicas:
+            e.update_params(params, version=version, in_flight=in_flight)
 
     def check(self) -> None:
         for e in self.replicas:

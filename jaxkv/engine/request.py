@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
 
 from jaxkv.engine.detokenizer import IncrementalDetokenizer
 from jaxkv.sampling_params import SamplingParams
@@ -18,6 +18,7 @@ from jaxkv.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued: new, preempted, or a sample waiting for its fork
     RUNNING = "running"  # holds a slot and pages
+    TRANSFERRING = "transferring"  # prefilled; its KV moves to the decode side (disaggregation)
     FINISHED = "finished"
     ABORTED = "aborted"  # aborted by the caller, or failed ("error")
 
@@ -57,6 +58,11 @@ class Request:
     # With SamplingParams.prompt_logprobs: entry p for prompt token p (entry 0 is None).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # given in a DELTA output already
+    # Weight versions (`Engine.update_params`): the weights its KV was computed with (set at
+    # each admission; it names the prefix-cache namespace it reads and writes), and the
+    # weights that sampled each output token.
+    kv_version: int | str | None = None
+    token_versions: list[int | str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -66,6 +72,11 @@ class Request:
         if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None \
                 and self.sample_index == 0:  # the request's; sample 0 prefills the prompt
             self.prompt_logprobs = [None]
+
+    @property
+    def cache_namespace(self) -> Hashable:
+        """Where its KV goes in the prefix cache: its salt and the weights that computed it."""
+        return cache_namespace(self.cache_salt, self.kv_version)
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -131,6 +142,12 @@ class Request:
         return text[:len(text) - hold] if hold else text
 
 
+def cache_namespace(salt: str | None, version: int | str | None) -> Hashable:
+    """The prefix-cache namespace of KV computed for ``salt`` with weights ``version``: KV
+    of other weights (or another tenant) is never reused."""
+    return salt, version
+
+
 @dataclasses.dataclass(frozen=True)
 class Logprob:
     """One token's log-probability under the model and its rank (1 = the most likely)."""
@@ -156,6 +173,8 @@ class CompletionOutput:
     # k most likely ones (vLLM's shape); the sum of the sampled tokens' logprobs.
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # The weight version (`Engine.update_params`) that sampled each token of token_ids.
+    weight_versions: list[int | str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -218,6 +237,12 @@ class EngineStats:
     host_kv_pages: int = 0
     host_kv_bytes: int = 0
     host_kv_pages_total: int = 0
+    # Prefill/decode disaggregation (`DisaggregatedEngine`): requests whose KV moved from the
+    # prefill pool to the decode pool, and the pages and bytes copied (pages the decode side's
+    # prefix cache already held are not copied).
+    kv_transfers: int = 0
+    kv_pages_transferred: int = 0
+    kv_bytes_transferred: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -20,6 +20,10 @@ With a host tier, admission first brings back to device pages the host-resident 
 request's cached path (`RadixCache.promote`), and eviction moves entries to the host instead
 of dropping them; the cache queues the copies for the engine to run before the step.
 
+Prefix-cache entries live in the namespace (cache_salt, weight version) of the request that
+computed them (`Request.cache_namespace`; the version is ``weight_version`` at its admission),
+so after `Engine.update_params` no admission reuses KV of other weights.
+
 Pages come from the free list, then from evicting the prefix cache (LRU), and for running
 sequences (1-2) from preempting the newest running sequence not scheduled this step. Preemption
 is by recompute: the victim's computed KV goes to the prefix cache, its pages and slot are
@@ -35,7 +39,7 @@ from collections.abc import Collection, Sequence
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.radix import RadixCache
-from jaxkv.engine.request import Request, RequestStatus
+from jaxkv.engine.request import Request, RequestStatus, cache_namespace
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
 MAX_SKIPS = 16  # steps that admit a later arrival ahead of a waiting sequence, before it goes first
@@ -72,6 +76,28 @@ class SchedulerOutput:
         return self.decode_rows + self.prefill_rows
 
 
+@dataclasses.dataclass(eq=False)
+class Handoff:
+    """A request whose prompt ran on the prefill side: its sample streams (each holding its
+    first token) and the pages holding the KV of its first ``num_tokens`` tokens."""
+
+    seqs: list[Request]
+    pages: list[int]
+    num_tokens: int
+
+
+@dataclasses.dataclass(eq=False)
+class Arrival:
+    """A handed-off request's place on the decode side while its KV is in transfer: its
+    pages, of which the first ``num_shared`` came from the local prefix cache (the rest wait
+    for the copy), and its sample streams, each holding a slot."""
+
+    seqs: list[Request]
+    pages: list[int]
+    num_shared: int
+    num_tokens: int
+
+
 @dataclasses.dataclass
 class SchedulerCounters:
     cached_prompt_tokens: int = 0
@@ -98,7 +124,15 @@ class Scheduler:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._fork_slots: dict[Request, list[int]] = {}  # reserved for a parent's samples
         self._decode_turn = 0  # where the next step's decodes start when they exceed the budget
+        # The weights admissions compute KV with (`Engine.update_params`): part of the prefix-
+        # cache namespace, so no request reuses KV computed by other weights.
+        self.weight_version: int | str = 0
         self.counters = SchedulerCounters()
+        # Prefill/decode disaggregation: a prefill-side scheduler hands requests off after
+        # their first token; a decode-side one holds arrivals until their KV is copied in.
+        self.hand_off_after_prefill = False
+        self.handoffs: list[Handoff] = []
+        self.arrivals: list[Arrival] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -210,9 +244,10 @@ class Scheduler:
         matched again only when the cache or the request's tokens changed since last time."""
         if req.needs_prompt_logits:
             return 0
-        key = (self.radix.version, len(req.token_ids))
+        key = (self.radix.version, self.weight_version, len(req.token_ids))
         if req.peeked is None or req.peeked[0] != key:
-            n = self.radix.cached_length(req.token_ids[:-1], req.cache_salt)  # both tiers
+            n = self.radix.cached_length(req.token_ids[:-1],  # both tiers
+                                         cache_namespace(req.cache_salt, self.weight_version))
             req.peeked = (key, n)
         return req.peeked[1]
 
@@ -222,17 +257,17 @@ class Scheduler:
             return False
         s, tokens = self.page_size, req.token_ids
         match, cached = None, 0
+        space = cache_namespace(req.cache_salt, self.weight_version)  # KV of these weights
         if self.radix is not None and not req.needs_prompt_logits:
             on_device = len(tokens)  # what the device held before any promotion
             if self.radix.host is not None:  # host-tier entries on its path: copy them back
-                on_device = self.radix.match_prefix(tokens[:-1], req.cache_salt,
-                                                    peek=True).num_tokens
-                if not self.radix.promote(tokens[:-1], req.cache_salt):
+                on_device = self.radix.match_prefix(tokens[:-1], space, peek=True).num_tokens
+                if not self.radix.promote(tokens[:-1], space):
                     on_device = len(tokens)  # nothing came back from the host
             # At most len - 1 tokens: the last token must run for its logits.
             # A peek: counted (and its recency refreshed) only if the request is admitted, so
             # an admission retried every step under memory pressure counts once.
-            match = self.radix.match_prefix(tokens[:-1], req.cache_salt, peek=True)
+            match = self.radix.match_prefix(tokens[:-1], space, peek=True)
             cached = match.num_tokens if reuse_partial else match.num_tokens // s * s
         full, locked = cached // s, reuse_partial and cached > 0
         shared = list(match.pages[:full]) if match else []
@@ -256,6 +291,7 @@ class Scheduler:
         if cached % s:  # token-exact reuse: copy the matched part of the last page
             out.copies.append((match.pages[full], fresh[0]))
         req.pages, req.num_computed_tokens = shared + fresh, cached
+        req.kv_version = self.weight_version
         req.prefix_handle = match.handle if locked else None
         req.prefill_end, req.status = len(tokens), RequestStatus.RUNNING
         req.slot = self._free_slots.pop()
@@ -293,6 +329,9 @@ class Scheduler:
             for seq, token in zip(row.samples, tokens, strict=True):
                 self._take_token(seq, token, now)
                 progressed.append(seq)
+            going = [seq for seq in row.samples if not seq.is_done]
+            if self.hand_off_after_prefill and going:
+                self._hand_off(going)
         return progressed
 
     def _take_token(self, seq: Request, token: int, now: float) -> bool:
@@ -352,7 +391,7 @@ class Scheduler:
         full = req.num_computed_tokens // self.page_size
         if self.radix is not None and full > req.pages_offered:
             self.radix.insert(req.token_ids[:full * self.page_size], req.pages[:full],
-                              req.cache_salt)
+                              req.cache_namespace)
             req.pages_offered = full
 
     def _fork(self, parent: Request) -> None:
@@ -363,6 +402,7 @@ class Scheduler:
             sib.num_computed_tokens = parent.num_computed_tokens
             sib.prefill_end = parent.prefill_end
             sib.num_cached_tokens, sib.status = parent.num_cached_tokens, RequestStatus.RUNNING
+            sib.kv_version = parent.kv_version
             self.running.append(sib)
         parent.forks = []
 
@@ -401,7 +441,7 @@ class Scheduler:
         n = req.num_computed_tokens
         if cache and self.radix is not None and n:
             self.radix.insert(req.token_ids[:n], req.pages[:-(-n // self.page_size)],
-                              req.cache_salt)
+                              req.cache_namespace)
         self.allocator.free(req.pages)
         req.pages, req.pages_offered = [], 0
         if req.prefix_handle is not None:
@@ -411,11 +451,92 @@ class Scheduler:
         self._free_slots.extend(self._fork_slots.pop(req, ()))
         req.slot = None
 
+    # ---- prefill/decode disaggregation (`jaxkv.engine.disagg`) ----------------------------
+
+    def _hand_off(self, seqs: list[Request]) -> None:
+        """Takes a request's sample streams off this (prefill) scheduler once its prompt ran and
+        each drew its first token: slots freed, prompt KV offered to the prefix cache, and its
+        pages held by a `Handoff` until the decode side has copied them."""
+        first, s = seqs[0], self.page_size
+        n = first.num_computed_tokens  # the prompt (every sample shares its pages)
+        pages = list(first.pages)
+        if self.radix is not None:
+            self.radix.insert(first.token_ids[:n], pages[:-(-n // s)], first.cache_namespace)
+        for seq in seqs:
+            self.running.remove(seq)
+            if seq is not first:
+                self.allocator.free(seq.pages)  # the Handoff keeps one reference
+            if seq.prefix_handle is not None:
+                self.radix.unlock(seq.prefix_handle)
+                seq.prefix_handle = None
+            self._free_slots.append(seq.slot)
+            seq.slot, seq.pages, seq.pages_offered = None, [], 0
+            seq.status = RequestStatus.TRANSFERRING
+        self.handoffs.append(Handoff(seqs, pages, n))
+
+    def release_handoff(self, handoff: Handoff) -> None:
+        """Drops a handoff's pages (its transfer has been dispatched, or it was aborted)."""
+        self.handoffs.remove(handoff)
+        self.allocator.free(handoff.pages)
+
+    def reserve_arrival(self, handoff: Handoff) -> Arrival | None:
+        """Gives a handed-off request pages and slots on this (decode) scheduler: whole pages
+        its prefix cache already holds are shared, fresh pages take the rest of the prompt's
+        KV, which the caller copies in from the prefill side. None (changing nothing) when the
+        slots or pages are not there now; it never preempts."""
+        seqs, n, s = handoff.seqs, handoff.num_tokens, self.page_size
+        if len(self._free_slots) < len(seqs):
+            return None
+        first = seqs[0]
+        shared, match = [], None
+        if self.radix is not None and not first.needs_prompt_logits:
+            space = first.cache_namespace  # pages of the weights that computed its prompt
+            if self.radix.host is not None:
+                self.radix.promote(first.token_ids[:n], space)
+            match = self.radix.match_prefix(first.token_ids[:n], space, peek=True)
+            shared = list(match.pages[:match.num_tokens // s])
+        self.allocator.share(shared)
+        need = -(-n // s) - len(shared)
+        while self.allocator.num_free < need and self._evict(need):
+            pass
+        if self.allocator.num_free < need:
+            self.allocator.free(shared)
+            return None
+        pages = shared + self.allocator.allocate(need)
+        if match is not None:
+            self.radix.record(match, n, len(shared) * s)
+        for i, seq in enumerate(seqs):
+            if i:
+                self.allocator.share(pages)
+            seq.pages, seq.slot = list(pages), self._free_slots.pop()
+            seq.num_computed_tokens = seq.prefill_end = n
+        arrival = Arrival(seqs, pages, len(shared), n)
+        self.arrivals.append(arrival)
+        return arrival
+
+    def land(self, arrival: Arrival) -> None:
+        """The arrival's pages hold its KV now (copies queued on device): its samples run."""
+        self.arrivals.remove(arrival)
+        for seq in arrival.seqs:
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+        self._cache_full_pages(arrival.seqs[0])
+
+    def cancel_arrival(self, arrival: Arrival) -> None:
+        """Gives back an arrival's pages and slots (its request was aborted in transfer)."""
+        self.arrivals.remove(arrival)
+        for seq in arrival.seqs:
+            self.allocator.free(seq.pages)
+            self._free_slots.append(seq.slot)
+            seq.pages, seq.slot = [], None
+
     # ---- accounting ----------------------------------------------------------------------
 
     def holders(self) -> list[list[int]]:
         """One page list per reference holder, for ``PageAllocator.check(holders=...)``."""
         held = [list(r.pages) for r in self.running]
+        held += [list(h.pages) for h in self.handoffs]
+        held += [list(seq.pages) for a in self.arrivals for seq in a.seqs]
         if self.radix is not None:
             held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
         return held

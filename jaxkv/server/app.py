@@ -57,10 +57,13 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
     metrics = ServerMetrics(model_name)
     counter = itertools.count()
 
-    def scheduler_counts():
-        replicas = getattr(engine, "replicas", [engine])
-        return (sum(len(e.scheduler.running) for e in replicas),
-                sum(len(e.scheduler.waiting) for e in replicas))
+    # the engines behind the front: data-parallel replicas, prefill and decode, or one
+    engines = getattr(engine, "engines", None) or getattr(engine, "replicas", [engine])
+
+    def scheduler_counts():  # requests in a prefill-to-decode transfer count as running
+        return (sum(len(e.scheduler.running) for e in engines)
+                + len(getattr(engine, "_moving", ())),
+                sum(len(e.scheduler.waiting) for e in engines))
 
     def on_step(outputs, _seconds):
         metrics.update(engine.stats(), *scheduler_counts())
@@ -70,7 +73,7 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
 
     metrics.update(engine.stats(), 0, 0)
     core = AsyncEngine(engine, max_pending=max_pending, on_step=on_step)
-    max_len = getattr(engine, "replicas", [engine])[0].max_model_len
+    max_len = getattr(engine, "max_model_len", engines[0].max_model_len)
     app = FastAPI(title="jaxkv", version="0.1.0")
     app.state.engine = core
 

@@ -37,6 +37,13 @@ class ServerMetrics:
             "prefix_cache_host_hits", "Prompt tokens of prefix-cache hits copied back from the "
             "host-memory tier (host_kv_cache_bytes) instead of recomputed.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV recomputed).")
+        self.kv_transfers = counter(
+            "kv_transfers", "Requests whose KV moved from the prefill to the decode engine "
+            "(prefill/decode disaggregation).")
+        self.kv_transfer_pages = counter(
+            "kv_transfer_pages", "KV pages copied from the prefill to the decode engine.")
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes", "Bytes of those pages (scales included).")
         self.requests = Counter("jaxkv:request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.running = gauge("num_requests_running", "Requests holding KV pages.")
@@ -66,6 +73,9 @@ class ServerMetrics:
             self.prefix_cache_hits.inc(stats.cached_prompt_tokens - last.cached_prompt_tokens)
             self.preemptions.inc(stats.preemptions - last.preemptions)
             self.host_hits.inc(stats.host_hit_tokens - last.host_hit_tokens)
+            self.kv_transfers.inc(stats.kv_transfers - last.kv_transfers)
+            self.kv_transfer_pages.inc(stats.kv_pages_transferred - last.kv_pages_transferred)
+            self.kv_transfer_bytes.inc(stats.kv_bytes_transferred - last.kv_bytes_transferred)
         self._last = stats
         self.running.set(running)
         self.waiting.set(waiting)

@@ -28,6 +28,9 @@ SLOW = {
     "test_int8_pages_and_scales_shard_by_kv_head[mqa-2]",
     "test_host_tier_under_tp2_with_int8_pages[gqa]",
     "test_host_tier_under_tp2_with_int8_pages[mqa]",
+    "test_tokens_equal_one_device_across_tensor_parallel_sizes[1-2-auto]",
+    "test_tokens_equal_one_device_across_tensor_parallel_sizes[4-1-auto]",
+    "test_tokens_equal_one_device_across_tensor_parallel_sizes[2-2-int8]",
 }
 
 

@@ -211,3 +211,30 @@ def test_host_tier_under_tp2_with_int8_pages(model):
     assert outs[id(on)] == outs[id(off)]
     assert on.stats().host_hit_tokens > 0
     assert spec(on.state.kv_scales) == (None, "tp", None, None)
+
+
+def test_update_params_under_tp2_compiles_nothing_and_matches_a_fresh_engine():
+    """New weights given as an unsharded params pytree (as a trainer holds them) land on a
+    tp=2 mesh whose engine replicated the model's one kv head: each leaf placed like the one
+    it replaces, nothing compiled, and the greedy tokens those of a fresh tp=2 engine."""
+    old, new = (jaxkv.random_model(CONFIGS["mqa"][0], seed=s) for s in (1, 2))
+
+    def serve(engine, tag):
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"{tag}{i}", prompt_token_ids=p, sampling_params=GREEDY)
+        final = drive(engine)
+        return [final[f"{tag}{i}"].outputs[0] for i in range(len(PROMPTS))]
+
+    engine = Engine(old, mesh=make_mesh(2), **SHAPE)
+    assert engine.model.config.num_kv_heads == 2  # the one kv head, stored twice
+    before = serve(engine, "a")
+    layout = [(x.shape, x.sharding) for x in jax.tree.leaves(engine.model.params)]
+    with count_compiles() as compiles:
+        engine.update_params(new.params)
+        after = serve(engine, "b")
+    assert compiles.count == 0
+    assert [(x.shape, x.sharding) for x in jax.tree.leaves(engine.model.params)] == layout
+    want = serve(Engine(new, mesh=make_mesh(2), **SHAPE), "c")
+    assert [o.token_ids for o in after] == [o.token_ids for o in want]
+    assert [o.token_ids for o in after] != [o.token_ids for o in before]
+    assert all(o.weight_versions == [1] * len(o.token_ids) for o in after)

@@ -1,0 +1,409 @@
+"""Prefill/decode disaggregation across processes: a prefill `Engine` in one, a decode
+`Engine` in another, the KV pages moving between them over `jaxkv.runtime.kv_remote.KVPeer`.
+
+The single-process `DisaggregatedEngine` (`jaxkv.engine.disagg`) split in two: the same
+scheduler hand-off (`Scheduler._hand_off`, `reserve_arrival`, `land`, `cancel_arrival`,
+`release_handoff`) and the same page payloads (`kv_transfer.export_pages` / `import_pages`),
+coordinated by pickled dicts over a `multiprocessing.connection` channel ("link"):
+
+    prefill -> decode  {"op": "hello", ...pool and limits}          once, each way
+    prefill -> decode  {"op": "handoff", "request_id", "prompt", "prompt_token_ids",
+                        "sampling_params", "cache_salt", "arrival_index", "arrival_time",
+                        "num_tokens", "samples": [per-sample state, `_CARRIED`]}
+    decode -> prefill  {"op": "reserve", "request_id", "first"}     pages first.. are missing
+    prefill -> decode  {"op": "offer", "request_id", "uuid"}        offered under uuid, uuid+1..
+    decode -> prefill  {"op": "landed", "request_id"}               pulled: prefill frees pages
+    prefill -> decode  {"op": "abort", "request_id"}                not (or no longer) held here
+
+1. The prefill engine runs the prompt and draws each sample's first token (its outputs go to
+   its front end), then hands the request off: its pages are held, its state sent.
+2. The decode worker rebuilds the samples (tokens replayed through `Request.append_token`, so
+   a detokenizer sees what it saw on the prefill side) and reserves slots and pages, retrying
+   each step while it has no room; it answers with the first page its prefix cache lacks.
+3. The prefill worker gathers exactly those pages (in parts padded to a few sizes, so few
+   programs compile; kv heads picked when it has more), offers each part under its own uuid
+   (ids belong to the offering transfer server, so the prefill side picks them).
+4. The decode worker starts the pulls (`KVPeer.start_pull`: they return at once), keeps
+   decoding, and once they have arrived scatters them (`import_pages`), lands the request and
+   acknowledges; the transport tells the sender nothing, so the prefill side holds the pages
+   until that acknowledgement (which also bounds the offers in flight by its pool).
+
+Aborts go to the prefill worker, which aborts what its engine holds and forwards the rest in
+order behind its own messages, so the decode side always sees a hand-off before its abort.
+Offers are never left pending: a pull of an offer that never comes never ends (and an expired
+offer is such an offer), so offers carry no deadline and the decode side pulls every offer it
+is told about, dropping the payload of an aborted request once it arrives ("draining").
+
+Outputs: each worker returns `RequestOutput`s for what it holds: the first token comes from
+the prefill side, the rest (and every abort after the hand-off) from the decode side.
+`jaxkv.engine.disagg_serve` runs each worker in its own process for a front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.engine.detokenizer import IncrementalDetokenizer
+from jaxkv.engine.engine import Engine, _Entry
+from jaxkv.engine.request import Request, RequestOutput, RequestStatus
+from jaxkv.engine.scheduler import Arrival, Handoff
+from jaxkv.runtime.batch import pow2
+from jaxkv.runtime.kv_remote import KVPeer, Pull, wire_shards
+from jaxkv.runtime.kv_transfer import export_pages, head_maps, import_pages, payload_shardings
+from jaxkv.runtime.page_copy import padded_parts
+from jaxkv.sampling_params import SamplingParams
+
+# Per-sample state that travels with a hand-off (the rest is rebuilt or belongs to one side).
+_CARRIED = ("sample_index", "key", "first_token_time", "finish_reason", "finish_time",
+            "num_cached_tokens", "logprobs", "emitted", "bad_words_ids", "prompt_logprobs",
+            "prompt_logprobs_sent", "kv_version", "token_versions", "num_preemptions")
+HELLO_TIMEOUT_S = 120.0
+
+
+def _hello(engine: Engine, role: str, peer: KVPeer) -> dict:
+    sizes = sorted({min(pow2(n), pow2(engine.max_pages_per_seq))
+                    for n in (1, 4, 16, 64, engine.max_pages_per_seq)})
+    return dict(op="hello", role=role, kv_address=peer.address, page_size=engine.page_size,
+                kv_heads=engine.state.num_kv_heads, kv_cache_dtype=engine.kv_cache_dtype,
+                vocab_size=engine.model.config.vocab_size, max_model_len=engine.max_model_len,
+                num_pages=engine.num_pages, max_num_seqs=engine.max_num_seqs, sizes=sizes)
+
+
+def _page_bytes(state, heads: int) -> int:
+    """Bytes of one page of a payload with ``heads`` kv heads (scale words included)."""
+    per_token = 2 * state.head_dim * state.kv_pages.dtype.itemsize \
+        + (0 if state.kv_scales is None else 4)
+    return state.num_layers * heads * state.page_size * per_token
+
+
+def _detokenizer(tok, ids, sp) -> IncrementalDetokenizer | None:
+    """A sample's detokenizer, made as `Engine.add_request` makes it."""
+    return None if tok is None else IncrementalDetokenizer(
+        tok, ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
+        include_stop_str_in_output=sp.include_stop_str_in_output)
+
+
+class _Side:
+    """What both workers share: the engine, the transfer peer, the link and its hello."""
+
+    role = ""
+
+    def __init__(self, engine: Engine, peer: KVPeer, channel: Connection):
+        if engine.has_unfinished_requests():
+            raise ValueError(f"{type(self).__name__}: the engine must be idle")
+        self.engine, self.peer, self.channel = engine, peer, channel
+        self.hello = _hello(engine, self.role, peer)
+        self.other: dict | None = None  # the other side's hello, once read
+        self.link_open = True  # False once the other side closed the link (it stopped)
+        self.counters = dict(requests=0, pages=0, bytes=0, reused_pages=0, aborted=0)
+        channel.send(self.hello)
+
+    def _other(self) -> dict:
+        """The other side's hello (the first message on the link), read once."""
+        if self.other is None:
+            if not self.channel.poll(HELLO_TIMEOUT_S):
+                raise TimeoutError(f"{type(self).__name__}: no hello on the link")
+            self.accept_hello(self.channel.recv())
+        return self.other
+
+    def accept_hello(self, msg: dict) -> None:
+        """Takes the other side's hello (read by the caller, or by `_other`); ValueError if
+        the two sides cannot share pages."""
+        if msg.get("op") != "hello" or msg.get("role") == self.role:
+            raise ValueError(f"{type(self).__name__}: expected the other side's hello, got "
+                             f"{msg!r}")
+        for name in ("page_size", "kv_cache_dtype", "vocab_size"):
+            if msg[name] != self.hello[name]:
+                raise ValueError(f"{type(self).__name__}: {name} is {self.hello[name]!r} "
+                                 f"here and {msg[name]!r} on the {msg['role']} side")
+        head_maps(msg["kv_heads"], self.hello["kv_heads"])  # one a multiple of the other
+        self.other = msg
+
+    def _messages(self) -> list[dict]:
+        self._other()
+        got = []
+        while self.link_open and self.channel.poll():
+            try:
+                got.append(self.channel.recv())
+            except EOFError:  # the other side stopped (idle) before this one
+                self.link_open = False
+        return got
+
+    def _step_engine(self) -> list[RequestOutput]:
+        e = self.engine
+        return e.step() if e.has_unfinished_requests() or e._pending else []
+
+    def report(self) -> dict:
+        """Stats, transfer counters and the result of `check` (for a front end or a test)."""
+        try:
+            self.check()
+            check = "ok"
+        except AssertionError as err:
+            check = f"AssertionError: {err}\n{traceback.format_exc()}"
+        return dict(role=self.role, check=check, counters=dict(self.counters),
+                    stats=dataclasses.asdict(self.engine.stats()),
+                    local_reshards=self.peer.local_reshards)
+
+
+class PrefillWorker(_Side):
+    """Runs prompts and hands requests off to a `DecodeWorker` at the other end of ``channel``."""
+
+    role = "prefill"
+
+    def __init__(self, engine: Engine, peer: KVPeer, channel: Connection):
+        super().__init__(engine, peer, channel)
+        engine.scheduler.hand_off_after_prefill = True
+        self._held: dict[str, Handoff] = {}  # handed off, pages held until "landed" or abort
+        self._next_uuid = 1
+
+    def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids=None,
+                    sampling_params=None, cache_salt: str | None = None) -> None:
+        """Queues a request; it must fit the decode side whole (prompt plus max_tokens).
+        Raises ValueError naming the field."""
+        if request_id in self._held:
+            raise ValueError(f"request_id {request_id!r} is already used by an unfinished "
+                             "request")
+        d = self._other()
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        ids = self.engine._prompt_ids(prompt, prompt_token_ids)
+        if isinstance(sp, SamplingParams):  # (anything else: the engine says what is wrong)
+            total = len(ids) + sp.max_tokens
+            if total > d["max_model_len"] or -(-(total - 1) // d["page_size"]) > d["num_pages"]:
+                raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + "
+                                 f"max_tokens ({sp.max_tokens}) does not fit the decode side "
+                                 f"(max_model_len={d['max_model_len']}, {d['num_pages']} pages)")
+            if sp.n > d["max_num_seqs"]:
+                raise ValueError(f"SamplingParams.n={sp.n} exceeds the decode side's "
+                                 f"max_num_seqs={d['max_num_seqs']}")
+        self.engine.add_request(request_id, prompt, prompt_token_ids, sp, cache_salt)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts it here if the engine holds it, else frees its held pages (an offer made for
+        it is still pulled by the decode side) and forwards the abort to the decode side."""
+        if request_id in self.engine._requests:
+            self.engine.abort(request_id)
+            return
+        h = self._held.pop(request_id, None)
+        if h is not None:  # an export already dispatched reads before any later program
+            self.engine.scheduler.release_handoff(h)
+            self.counters["aborted"] += 1
+        self.channel.send(dict(op="abort", request_id=request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self._held)
+
+    def step(self) -> list[RequestOutput]:
+        """Handles the decode side's messages, runs one engine step, sends its hand-offs."""
+        for msg in self._messages():
+            h = self._held.get(msg.get("request_id"))
+            if h is None:  # aborted meanwhile: nothing offered, nothing to free
+                continue
+            if msg["op"] == "reserve":
+                self._offer(msg["request_id"], h, msg["first"], msg["shards"])
+            elif msg["op"] == "landed":
+                self._release(msg["request_id"])
+        outputs = self._step_engine()
+        known = {id(h) for h in self._held.values()}
+        for h in self.engine.scheduler.handoffs:
+            if id(h) not in known:
+                self._send_handoff(h)
+        return outputs
+
+    def _send_handoff(self, h: Handoff) -> None:
+        rid = h.seqs[0].request_id
+        entry = self.engine._requests.pop(rid)
+        first = entry.samples[0]
+        samples = [dict({k: getattr(s, k) for k in _CARRIED}, status=s.status.value,
+                        output_token_ids=s.output_token_ids) for s in entry.samples]
+        self._held[rid] = h
+        self.channel.send(dict(
+            op="handoff", request_id=rid, prompt=entry.prompt,
+            prompt_token_ids=first.prompt_token_ids, sampling_params=first.sampling_params,
+            cache_salt=first.cache_salt, arrival_index=first.arrival_index,
+            arrival_time=first.arrival_time, num_tokens=h.num_tokens, samples=samples))
+
+    def _offer(self, rid: str, h: Handoff, first: int, shards: int) -> None:
+        n = -(-h.num_tokens // self.engine.page_size)
+        self.counters["reused_pages"] += first
+        if first >= n:  # the decode side's prefix cache held every page: nothing moves
+            self._release(rid)
+            return
+        d, state = self._other(), self.engine.state
+        pick, _ = head_maps(state.num_kv_heads, d["kv_heads"])
+        if shards > len(jax.local_devices()):  # too few devices for the decode layout: one
+            shards = 1                          # block, resharded after the pull
+        uuid = self._next_uuid
+        for part, size in padded_parts(h.pages[first:n], d["sizes"]):
+            src = np.full(size, state.num_pages, np.int32)  # out of range: zeros
+            src[:len(part)] = part
+            payload = export_pages(state, src, None if pick is None else jnp.asarray(pick))
+            self.peer.offer(self._next_uuid, payload, shards=shards)  # held until pulled
+            self._next_uuid += 1
+        self.counters["pages"] += n - first
+        self.counters["bytes"] += (n - first) * _page_bytes(state, min(state.num_kv_heads,
+                                                                        d["kv_heads"]))
+        self.channel.send(dict(op="offer", request_id=rid, uuid=uuid))
+
+    def _release(self, rid: str) -> None:
+        self.engine.scheduler.release_handoff(self._held.pop(rid))
+        self.counters["requests"] += 1
+
+    def check(self) -> None:
+        """The engine's invariants, and that its hand-offs are exactly the ones held here."""
+        self.engine.check()
+        assert {id(h) for h in self._held.values()} == \
+            {id(h) for h in self.engine.scheduler.handoffs}, "hand-offs out of step"
+
+
+@dataclasses.dataclass
+class _Incoming:
+    """A request handed off to the decode side, until it lands or is aborted."""
+
+    request_id: str
+    entry: _Entry
+    handoff: Handoff  # its streams and token count (no pages on this side)
+    arrival: Arrival | None = None
+    pulls: list[tuple[Pull, np.ndarray]] | None = None  # started pulls and their pages
+
+
+class DecodeWorker(_Side):
+    """Takes hand-offs from a `PrefillWorker` at the other end of ``channel`` and decodes."""
+
+    role = "decode"
+
+    def __init__(self, engine: Engine, peer: KVPeer, channel: Connection):
+        super().__init__(engine, peer, channel)
+        self._incoming: dict[str, _Incoming] = {}  # in arrival order
+        self._draining: list[Pull] = []  # pulls of aborted requests, dropped once here
+        self._pending: list[RequestOutput] = []
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self._incoming or self._draining)
+
+    def step(self) -> list[RequestOutput]:
+        """Handles the prefill side's messages, reserves room for waiting hand-offs, lands
+        the ones whose pages arrived, then runs one engine step."""
+        for msg in self._messages():
+            rid = msg["request_id"]
+            if msg["op"] == "handoff":
+                self._incoming[rid] = self._rebuild(msg)
+            elif msg["op"] == "offer":
+                self._pull(rid, msg["uuid"])
+            elif msg["op"] == "abort":
+                self.abort(rid)
+        self._reserve()
+        self._land()
+        self._draining = [p for p in self._draining if not p.poll()]
+        outputs, self._pending = self._pending, []  # aborts, this step's included
+        return outputs + self._step_engine()
+
+    def abort(self, request_id: str) -> None:
+        """Aborts it wherever it is here (waiting for room, pulling, decoding); unknown ids
+        (finished already) are ignored."""
+        t = self._incoming.pop(request_id, None)
+        if t is None:
+            if request_id in self.engine._requests:
+                self.engine.abort(request_id)
+            return
+        if t.arrival is not None:
+            self.engine.scheduler.cancel_arrival(t.arrival)
+        self._draining += [p for p, _ in t.pulls or ()]
+        now = time.time()
+        for s in t.entry.samples:
+            if not s.is_done:
+                self.engine.scheduler.finish(s, "abort", now)
+        self.counters["aborted"] += 1
+        self._pending.append(self.engine._output(request_id, t.entry))
+
+    def _rebuild(self, msg: dict) -> _Incoming:
+        tok, eos = self.engine.model.tokenizer, self.engine.scheduler.eos_token_ids
+        sp, ids = msg["sampling_params"], msg["prompt_token_ids"]
+        samples = []
+        for d in msg["samples"]:
+            s = Request(msg["request_id"], ids, sp, msg["arrival_index"], msg["arrival_time"],
+                        cache_salt=msg["cache_salt"], detok=_detokenizer(tok, ids, sp))
+            for token in d["output_token_ids"]:  # replayed: the detokenizer's state too
+                s.append_token(token, eos)
+            for k in _CARRIED:
+                setattr(s, k, d[k])
+            s.status = RequestStatus(d["status"])
+            samples.append(s)
+        going = [s for s in samples if s.status is RequestStatus.TRANSFERRING]
+        return _Incoming(msg["request_id"], _Entry(msg["prompt"], samples),
+                         Handoff(going, [], msg["num_tokens"]))
+
+    def _reserve(self) -> None:
+        """Reserves room for waiting hand-offs in arrival order, stopping at the first that
+        does not fit (it retries next step)."""
+        for t in self._incoming.values():
+            if t.arrival is not None:
+                continue
+            arrival = self.engine.scheduler.reserve_arrival(t.handoff)
+            if arrival is None:
+                break
+            self.engine._transfer()  # host-tier copies the reservation queued run first
+            t.arrival = arrival
+            self.channel.send(dict(op="reserve", request_id=t.request_id,
+                                   first=arrival.num_shared, shards=self._wire()[2]))
+            self.counters["reused_pages"] += arrival.num_shared
+            if arrival.num_shared * self.engine.page_size >= arrival.num_tokens:
+                t.pulls = []  # every page was in the prefix cache: lands at once
+
+    def _wire(self):
+        """(payload kv heads, shardings, kv-head blocks an offer should travel in)."""
+        state = self.engine.state
+        heads = min(self._other()["kv_heads"], state.num_kv_heads)
+        shardings = payload_shardings(state, heads)
+        shape = (1, state.num_layers, heads, state.page_size, 2 * state.head_dim)
+        return heads, shardings, wire_shards(shardings[0], shape)
+
+    def _pull(self, rid: str, uuid: int) -> None:
+        """Starts pulling a request's parts (offered under uuid, uuid + 1, ...)."""
+        t, state = self._incoming.get(rid), self.engine.state
+        if t is None:  # the prefill side forwards an abort after its offer, never before
+            raise ValueError(f"DecodeWorker: an offer for unknown request {rid!r}")
+        heads, shardings, _ = self._wire()
+        k, n = t.arrival.num_shared, -(-t.arrival.num_tokens // state.page_size)
+        t.pulls = []
+        for i, (part, size) in enumerate(padded_parts(t.arrival.pages[k:n],
+                                                      self.hello["sizes"])):
+            shape = (size, state.num_layers, heads, state.page_size, 2 * state.head_dim)
+            shapes = (jax.ShapeDtypeStruct(shape, state.kv_pages.dtype),
+                      None if state.kv_scales is None else
+                      jax.ShapeDtypeStruct(shape[:4], jnp.int32))
+            dst = np.full(size, state.num_pages, np.int32)  # out of range: dropped
+            dst[:len(part)] = part
+            t.pulls.append((self.peer.start_pull(self._other()["kv_address"], uuid + i,
+                                                 shapes, shardings), dst))
+            self.counters["pages"] += len(part)
+            self.counters["bytes"] += len(part) * _page_bytes(state, heads)
+
+    def _land(self) -> None:
+        for t in list(self._incoming.values()):
+            if t.pulls is None or not all(p.poll() for p, _ in t.pulls):
+                continue
+            _, spread = head_maps(self._other()["kv_heads"], self.engine.state.num_kv_heads)
+            spread = None if spread is None else jnp.asarray(spread)
+            for p, dst in t.pulls:
+                values, scales = p.result()
+                self.engine.state = import_pages(self.engine.state, dst, values, scales, spread)
+            self.engine.scheduler.land(t.arrival)
+            self.engine._requests[t.request_id] = t.entry
+            del self._incoming[t.request_id]
+            if t.pulls:
+                self.channel.send(dict(op="landed", request_id=t.request_id))
+            self.counters["requests"] += 1
+
+    def check(self) -> None:
+        """The engine's invariants, and that its arrivals are exactly the reserved hand-offs."""
+        self.engine.check()
+        assert [t.arrival for t in self._incoming.values() if t.arrival is not None] == \
+            self.engine.scheduler.arrivals, "decode arrivals out of step"
+

@@ -1,0 +1,144 @@
+"""Prefill/decode disaggregation on virtual CPU devices: what is real here.
+
+On this machine both "meshes" are virtual CPU devices sharing the same cores and RAM, so the
+wall time of disaggregated vs colocated serving says nothing about a real pair of GPU or TPU
+slices (see scripts/sim_disagg.py for that). What is real and reported:
+
+1. a trace of `--requests` requests (a shared system prefix of `--shared` tokens plus
+   `--unique` tokens each, `--max-tokens` greedy tokens, one arriving per step) served
+   colocated (one engine on device 0) and disaggregated (prefill on `--prefill-tp` devices,
+   decode on the next `--decode-tp`): the tokens (must be identical), and the KV pages and
+   bytes that moved and the pages the decode side's prefix cache already held;
+2. the page mover alone (`jaxkv.runtime.kv_transfer.PageMover`): for N pages, the time to
+   gather them on the prefill devices and put them on the decode devices (send, until the
+   payload is ready), and to scatter them into the decode pool (receive), median of
+   `--repeats`, with the bytes and the rate.
+
+    python scripts/bench_disagg.py [--model smollm2] [--requests 8] [--prefill-tp 1]
+        [--decode-tp 1] [--kv-cache-dtype int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+if "jax" not in sys.modules:  # virtual devices must be set before jax starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv import Engine, SamplingParams  # noqa: E402
+from jaxkv.engine.disagg import DisaggregatedEngine  # noqa: E402
+from jaxkv.sharding import make_mesh  # noqa: E402
+
+
+def load(name: str):
+    if name == "tiny":
+        return jaxkv.load_default(), "embedded tiny model"
+    if name == "smollm2":
+        return jaxkv.load_pretrained("smollm2"), "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+    return jaxkv.load_pretrained(name), name
+
+
+def serve(engine, prompts, sp) -> dict:
+    """Runs the prompts, one arriving per step; returns each one's tokens, by request id."""
+    tokens, queue = {}, list(enumerate(prompts))
+    while queue or engine.has_unfinished_requests():
+        if queue:
+            i, p = queue.pop(0)
+            engine.add_request(str(i), prompt_token_ids=p, sampling_params=sp)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens
+
+
+def time_mover(engine: DisaggregatedEngine, n: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of sending n pages (until the payload is on the decode devices) and of
+    scattering them into the decode pool."""
+    mover = engine.mover
+    src = list(range(n))
+    dst = list(range(engine.decode.num_pages - n, engine.decode.num_pages))
+    send, receive = [], []
+    for _ in range(repeats + 1):  # the first compiles
+        t0 = time.perf_counter()
+        payload = mover.send(engine.prefill.state, src, dst, engine.decode.num_pages)
+        jax.block_until_ready(payload.parts)
+        t1 = time.perf_counter()
+        engine.decode.state = mover.receive(engine.decode.state, payload)
+        jax.block_until_ready(engine.decode.state)
+        t2 = time.perf_counter()
+        send.append(t1 - t0)
+        receive.append(t2 - t1)
+    return float(np.median(send[1:])), float(np.median(receive[1:]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--shared", type=int, default=96, help="system-prefix tokens")
+    p.add_argument("--unique", type=int, default=40, help="tokens of each request's own")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--pages", default="1,4,16,64", help="page counts for the mover timing")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.prefill_tp + args.decode_tp > jax.device_count():
+        p.error(f"--prefill-tp + --decode-tp exceeds the {jax.device_count()} devices")
+    model, what = load(args.model)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    shared = rng.integers(10, vocab, args.shared).tolist()
+    prompts = [shared + rng.integers(10, vocab, args.unique).tolist()
+               for _ in range(args.requests)]
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    shape = dict(page_size=args.page_size, num_pages=256, max_num_seqs=8, max_model_len=512,
+                 max_num_batched_tokens=256, kv_cache_dtype=args.kv_cache_dtype)
+    devices = jax.devices()
+    colocated = serve(Engine(model, **shape), prompts, sp)
+    prefill = Engine(model, mesh=make_mesh(args.prefill_tp, devices[:args.prefill_tp]), **shape)
+    decode = Engine(model, mesh=make_mesh(args.decode_tp, devices[args.prefill_tp:]), **shape)
+    engine = DisaggregatedEngine(prefill, decode)
+    tokens = serve(engine, prompts, sp)
+    same = sum(tokens[k] == colocated[k] for k in colocated)
+
+    print(f"# Prefill/decode disaggregation on virtual CPU devices: {what}, "
+          f"kv_cache_dtype={args.kv_cache_dtype}, prefill tp={args.prefill_tp}, "
+          f"decode tp={args.decode_tp}")
+    print(f"# jax {jax.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores")
+    print()
+    t = engine.transfers
+    prompt_pages = sum(-(-len(q) // args.page_size) for q in prompts)
+    print("| requests | greedy tokens equal to colocated | prompt pages | pages moved "
+          "| pages reused on the decode side | bytes moved | bytes per request |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {t.requests} | {same}/{len(colocated)} | {prompt_pages} | {t.pages} "
+          f"| {t.reused_pages} | {t.bytes:,} | {t.bytes // max(1, t.requests):,} |")
+    print()
+    print("| pages | bytes | send (gather + put), ms | receive (scatter), ms | MB/s end to end |")
+    print("|---|---|---|---|---|")
+    for n in (int(x) for x in args.pages.split(",")):
+        send, receive = time_mover(engine, n, args.repeats)
+        nbytes = n * engine.mover.page_bytes
+        print(f"| {n} | {nbytes:,} | {send * 1e3:.2f} | {receive * 1e3:.2f} "
+              f"| {nbytes / (send + receive) / 1e6:.0f} |")
+    print()
+    print("reproduce: python scripts/bench_disagg.py " + " ".join(argv or sys.argv[1:]))
+    return 0 if same == len(colocated) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Prefill/decode disaggregation across processes (`jaxkv.engine.disagg_remote`).
+
+The end-to-end test runs the prefill worker and the decode worker as two processes
+(tests/disagg_remote_worker.py: prefill on 1 virtual CPU device, decode tensor parallel on 2,
+so pages reshard by kv head on the way), the test being their front end. The in-process test
+steps both workers by hand (two transfer servers in one process) to abort a request at the
+two points a timing-driven run cannot reach on purpose: before the decode side reserved it,
+and after the offer was made.
+
+Greedy tokens must equal a colocated engine's up to near-ties of the reference's logits (the
+model is random at its initialization scale; see tests/test_disagg.py).
+"""
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import Pipe
+from pathlib import Path
+
+import pytest
+
+import jaxkv
+from jaxkv import Engine, ModelConfig, SamplingParams
+from jaxkv.engine.disagg_remote import DecodeWorker, PrefillWorker
+from jaxkv.engine.disagg_serve import FrontEnd
+from jaxkv.runtime.kv_remote import KVPeer
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "disagg_remote_worker.py"
+CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                     eos_token_ids=(3,))
+NEAR_TIE = 1e-4
+COLOCATED = dict(page_size=4, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32,
+                 num_pages=128)
+PAGE_BYTES = 2 * 2 * 4 * (2 * 16 * 4)  # layers x kv heads x page_size x (2 D x 4 B)
+
+A = list(range(4, 25))  # 21 tokens: 6 pages of 4
+B = A[:16] + [100, 101, 102, 103, 104, 105]  # 22 tokens: 6 pages, the first 4 are A's
+C = list(range(40, 50))  # 10 tokens: 3 pages
+LONG = list(range(60, 68))  # 8 tokens: 2 pages
+X = list(range(80, 92))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxkv.random_model(CONFIG, seed=0)
+
+
+def reference(model, prompt, max_tokens, n=1):
+    """Greedy tokens of the request served alone by a colocated engine, with the top-2
+    logprobs of each step (for the near-tie rule)."""
+    engine = Engine(model, **COLOCATED)
+    engine.add_request("ref", prompt_token_ids=list(prompt), sampling_params=SamplingParams(
+        temperature=0, max_tokens=max_tokens, n=n, ignore_eos=True, logprobs=2))
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return [(c.token_ids, c.logprobs) for c in final["ref"].outputs]
+
+
+def assert_same_up_to_near_ties(tokens, ref):
+    ref_tokens, ref_logprobs = ref
+    assert len(tokens) == len(ref_tokens)
+    for j, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)):
+        if a != b:
+            second, first = sorted(v.logprob for v in ref_logprobs[j].values())[-2:]
+            assert first - second < NEAR_TIE, (j, tokens, ref_tokens)
+            return
+
+
+def greedy(max_tokens, n=1):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, n=n, ignore_eos=True)
+
+
+# ---- two processes ---------------------------------------------------------------------
+
+def _start(args, authkey):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXKV_TEST_AUTHKEY=authkey.hex())
+    proc = subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], cwd=HERE.parent,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, port = [], []
+
+    def read():  # the port line, then everything else (kept for a failure message)
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("LISTEN ") and not port:
+                port.append(int(line.split()[1]))
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not port:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"worker {args} did not start:\n{''.join(lines)[-4000:]}")
+        time.sleep(0.05)
+    return proc, port[0], lines
+
+
+class _Outputs:
+    """The front end's merged view: the latest output of each request, from either side."""
+
+    def __init__(self, front):
+        self.front, self.latest, self.sides = front, {}, {}
+
+    def until(self, done, what, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            for out in self.front.outputs(0.05):
+                self.latest[out.request_id] = out
+
+    def finished(self, *rids):
+        return all(r in self.latest and self.latest[r].finished for r in rids)
+
+
+def test_two_processes_move_only_missing_pages_and_match_colocated(model):
+    authkey = secrets.token_bytes(16)
+    procs = []
+    try:
+        prefill, pport, plog = _start(["prefill", 1], authkey)
+        procs.append(prefill)
+        decode, dport, dlog = _start(["decode", 2, pport], authkey)
+        procs.append(decode)
+        front = FrontEnd(("127.0.0.1", pport), ("127.0.0.1", dport), authkey)
+        got = _Outputs(front)
+        front.add_request("a", prompt_token_ids=A, sampling_params=greedy(6))
+        front.add_request("c", prompt_token_ids=C, sampling_params=greedy(5, n=2))
+        got.until(lambda: got.finished("a", "c"), "a and c")
+        front.add_request("b", prompt_token_ids=B, sampling_params=greedy(6))  # A's pages cached
+        got.until(lambda: got.finished("b"), "b")
+
+        # "long" (n=2) takes both decode slots; "x" is handed off and waits for room there,
+        # and is aborted then (its first token already out), before "long" can finish.
+        front.add_request("long", prompt_token_ids=LONG, sampling_params=greedy(200, n=2))
+        got.until(lambda: "long" in got.latest and
+                  len(got.latest["long"].outputs[0].token_ids) > 1, "long decoding")
+        front.add_request("x", prompt_token_ids=X, sampling_params=greedy(5))
+        got.until(lambda: "x" in got.latest, "x's first token")
+        front.abort("x")
+        front.abort("long")
+        got.until(lambda: got.finished("x", "long"), "the aborts")
+        reports = front.stop()
+        for proc in procs:
+            proc.wait(timeout=30)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        logs = "".join(plog if procs else []) + "".join(dlog if len(procs) > 1 else [])
+        print(logs[-6000:])
+        raise
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    p, d = reports
+    assert [p["role"], d["role"]] == ["prefill", "decode"]
+    for r in reports:
+        assert r["check"] == "ok", r["check"]
+        assert r["stats"]["kv_pages_used"] == 0, r
+    # Pages moved: a 6, c 3, b 2 (4 of its 6 were in the decode side's prefix cache), long 2;
+    # x none (aborted before the decode side had room): 13 of the 17 prompt pages of the
+    # requests that landed.
+    for r in reports:
+        assert r["counters"]["pages"] == 13 and r["counters"]["reused_pages"] == 4, r
+        assert r["counters"]["bytes"] == 13 * PAGE_BYTES
+    assert p["counters"]["requests"] == 4 and d["counters"]["requests"] == 4
+    assert p["counters"]["aborted"] == 1 and d["counters"]["aborted"] == 1  # x, in transfer
+    assert d["local_reshards"] == 4  # one part each, pulled onto 1 device, split over 2
+    assert p["stats"]["generated_tokens"] == 1 + 2 + 1 + 2 + 1  # first tokens only
+
+    assert got.latest["x"].outputs[0].finish_reason == "abort"
+    assert len(got.latest["x"].outputs[0].token_ids) == 1
+    assert got.latest["long"].outputs[0].finish_reason == "abort"
+    for rid, prompt, max_tokens, n in (("a", A, 6, 1), ("b", B, 6, 1), ("c", C, 5, 2)):
+        outs = got.latest[rid].outputs
+        assert len(outs) == n
+        for c, want in zip(outs, reference(model, prompt, max_tokens, n), strict=True):
+            assert c.finish_reason == "length"
+            assert_same_up_to_near_ties(c.token_ids, want)
+
+
+# ---- one process, stepped by hand ------------------------------------------------------
+
+def _pair(model):
+    shape = dict(page_size=4, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
+                 num_pages=32)
+    a, b = Pipe()
+    return (PrefillWorker(Engine(model, **shape), KVPeer("127.0.0.1:0"), a),
+            DecodeWorker(Engine(model, **shape), KVPeer("127.0.0.1:0"), b))
+
+
+def _until(fn, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not fn():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.002)  # pulls arrive in the background
+
+
+def test_aborts_before_reservation_and_after_the_offer_free_both_sides(model):
+    p, d = _pair(model)
+    outs = {}
+
+    def step(w):
+        for o in w.step():
+            outs[o.request_id] = o
+        w.check()
+
+    # 1. Handed off, the decode side has not seen it yet: the abort follows the hand-off.
+    p.add_request("early", prompt_token_ids=A, sampling_params=greedy(4))
+    _until(lambda: step(p) or "early" in p._held, "early handed off")
+    p.abort("early")
+    assert p.engine.stats().kv_pages_used == 0
+    step(d)
+    assert not d._incoming and not d.engine.scheduler.arrivals
+    assert outs["early"].finished and outs["early"].outputs[0].finish_reason == "abort"
+    assert len(outs["early"].outputs[0].token_ids) == 1
+
+    # 2. Reserved and offered, the decode side told of the offer and the abort in one read:
+    # it starts the pull anyway (else the offer would stay on the prefill side) and drops it.
+    p.add_request("late", prompt_token_ids=C, sampling_params=greedy(4, n=2))
+    _until(lambda: step(p) or "late" in p._held, "late handed off")
+    step(d)  # reserves, answers with the missing pages
+    assert d._incoming["late"].arrival is not None
+    step(p)  # offers them
+    p.abort("late")
+    step(d)  # (the pull may even finish within this step)
+    assert not d._incoming and not d.engine.scheduler.arrivals
+    assert d.counters["pages"] == p.counters["pages"] == 3  # late's pull was started
+    _until(lambda: step(d) or not d._draining, "the drained pull")
+    assert outs["late"].outputs[0].finish_reason == "abort" and len(outs["late"].outputs) == 2
+
+    # 3. Both sides keep serving: a request after the aborts matches colocated serving.
+    p.add_request("after", prompt_token_ids=B, sampling_params=greedy(5))
+    _until(lambda: step(p) or step(d) or ("after" in outs and outs["after"].finished),
+           "after finished")
+    assert_same_up_to_near_ties(outs["after"].outputs[0].token_ids,
+                                reference(model, B, 5)[0])
+    for w in (p, d):
+        report = w.report()
+        assert report["check"] == "ok" and report["stats"]["kv_pages_used"] == 0, report
+        assert report["counters"]["aborted"] == 2, report
+    assert d.counters["pages"] == p.counters["pages"]
