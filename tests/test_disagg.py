@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import drive
+from serving import assert_same_up_to_near_ties, drive, greedy_reference
 
 import jaxkv
 from jaxkv import Engine, SamplingParams
 from jaxkv.engine.disagg import DisaggregatedEngine
 from jaxkv.runtime import kv_transfer
 
-NEAR_TIE = 1e-4
 SHAPE = dict(page_size=4, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
 PREFILL = dict(SHAPE, num_pages=24)
 DECODE = dict(SHAPE, num_pages=14)  # small: decode-side preemption and waiting arrivals
@@ -40,26 +39,12 @@ _REF: dict = {}
 
 
 def reference(model, prompt: tuple, max_tokens: int, n: int):
-    """Greedy tokens of a request served alone by a colocated engine, with the top-2
-    logprobs of each step (for the near-tie rule)."""
+    """Greedy tokens (and top-2 logprobs) of a request served alone by a colocated engine
+    (memoized across examples)."""
     key = (prompt, max_tokens, n)
     if key not in _REF:
-        engine = Engine(model, **COLOCATED)
-        engine.add_request("ref", prompt_token_ids=list(prompt), sampling_params=SamplingParams(
-            temperature=0, max_tokens=max_tokens, n=n, ignore_eos=True, logprobs=2))
-        out = drive(engine)["ref"]
-        _REF[key] = [(c.token_ids, c.logprobs) for c in out.outputs]
+        _REF[key] = greedy_reference(model, prompt, max_tokens, n, **COLOCATED)
     return _REF[key]
-
-
-def assert_same_up_to_near_ties(tokens, ref):
-    ref_tokens, ref_logprobs = ref
-    assert len(tokens) == len(ref_tokens)
-    for j, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)):
-        if a != b:
-            second, first = sorted(v.logprob for v in ref_logprobs[j].values())[-2:]
-            assert first - second < NEAR_TIE, (j, tokens, ref_tokens)
-            return
 
 
 @st.composite

@@ -21,6 +21,7 @@ from multiprocessing import Pipe
 from pathlib import Path
 
 import pytest
+from serving import assert_same_up_to_near_ties, greedy_reference
 
 import jaxkv
 from jaxkv import Engine, ModelConfig, SamplingParams
@@ -33,7 +34,6 @@ WORKER = HERE / "disagg_remote_worker.py"
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                      eos_token_ids=(3,))
-NEAR_TIE = 1e-4
 COLOCATED = dict(page_size=4, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32,
                  num_pages=128)
 PAGE_BYTES = 2 * 2 * 4 * (2 * 16 * 4)  # layers x kv heads x page_size x (2 D x 4 B)
@@ -51,25 +51,7 @@ def model():
 
 
 def reference(model, prompt, max_tokens, n=1):
-    """Greedy tokens of the request served alone by a colocated engine, with the top-2
-    logprobs of each step (for the near-tie rule)."""
-    engine = Engine(model, **COLOCATED)
-    engine.add_request("ref", prompt_token_ids=list(prompt), sampling_params=SamplingParams(
-        temperature=0, max_tokens=max_tokens, n=n, ignore_eos=True, logprobs=2))
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
-    return [(c.token_ids, c.logprobs) for c in final["ref"].outputs]
-
-
-def assert_same_up_to_near_ties(tokens, ref):
-    ref_tokens, ref_logprobs = ref
-    assert len(tokens) == len(ref_tokens)
-    for j, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)):
-        if a != b:
-            second, first = sorted(v.logprob for v in ref_logprobs[j].values())[-2:]
-            assert first - second < NEAR_TIE, (j, tokens, ref_tokens)
-            return
+    return greedy_reference(model, prompt, max_tokens, n, **COLOCATED)
 
 
 def greedy(max_tokens, n=1):

@@ -6,7 +6,7 @@ spread), quantized pages with their scales, and greedy tokens equal to one coloc
 import jax
 import numpy as np
 import pytest
-from serving import drive
+from serving import assert_same_up_to_near_ties, drive
 
 import jaxkv
 from jaxkv import LLM, Engine, SamplingParams
@@ -18,7 +18,6 @@ CONFIG = jaxkv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128
                            max_position_embeddings=256, eos_token_ids=(3,))
 SHAPE = dict(page_size=8, num_pages=48, max_num_seqs=8, max_model_len=128,
              max_num_batched_tokens=32)
-NEAR_TIE = 1e-4
 RNG = np.random.default_rng(3)
 SHARED = RNG.integers(4, 128, 20).tolist()
 PROMPTS = [SHARED + RNG.integers(4, 128, int(n)).tolist() for n in (3, 12)] + \
@@ -46,14 +45,6 @@ def reference(model):
     return out
 
 
-def assert_same_up_to_near_ties(tokens, ref):
-    ref_tokens, ref_logprobs = ref
-    assert len(tokens) == len(ref_tokens)
-    for j, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)):
-        if a != b:
-            second, first = sorted(v.logprob for v in ref_logprobs[j].values())[-2:]
-            assert first - second < NEAR_TIE, (j, tokens, ref_tokens)
-            return
 
 
 @pytest.mark.parametrize("tp_prefill, tp_decode, kv", [
