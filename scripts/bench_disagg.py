@@ -70,10 +70,10 @@ def time_mover(engine: DisaggregatedEngine, n: int, repeats: int) -> tuple[float
     send, receive = [], []
     for _ in range(repeats + 1):  # the first compiles
         t0 = time.perf_counter()
-        payload = mover.send(engine.prefill.state, src, dst, engine.decode.num_pages)
+        payload = mover.send(engine.prefill.state, src)
         jax.block_until_ready(payload.parts)
         t1 = time.perf_counter()
-        engine.decode.state = mover.receive(engine.decode.state, payload)
+        engine.decode.state = mover.receive(engine.decode.state, payload, dst)
         jax.block_until_ready(engine.decode.state)
         t2 = time.perf_counter()
         send.append(t1 - t0)
@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--unique", type=int, default=40, help="tokens of each request's own")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=64,
+                   help="the step's token budget: prompts longer than it prefill in chunks")
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
                for _ in range(args.requests)]
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     shape = dict(page_size=args.page_size, num_pages=256, max_num_seqs=8, max_model_len=512,
-                 max_num_batched_tokens=256, kv_cache_dtype=args.kv_cache_dtype)
+                 max_num_batched_tokens=args.max_num_batched_tokens,
+                 kv_cache_dtype=args.kv_cache_dtype)
     devices = jax.devices()
     colocated = serve(Engine(model, **shape), prompts, sp)
     prefill = Engine(model, mesh=make_mesh(args.prefill_tp, devices[:args.prefill_tp]), **shape)
@@ -123,10 +126,12 @@ def main(argv=None) -> int:
     t = engine.transfers
     prompt_pages = sum(-(-len(q) // args.page_size) for q in prompts)
     print("| requests | greedy tokens equal to colocated | prompt pages | pages moved "
-          "| pages reused on the decode side | bytes moved | bytes per request |")
-    print("|---|---|---|---|---|---|---|")
+          "| pages reused on the decode side | bytes moved | bytes per request "
+          "| pages streamed while prefilling |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {t.requests} | {same}/{len(colocated)} | {prompt_pages} | {t.pages} "
-          f"| {t.reused_pages} | {t.bytes:,} | {t.bytes // max(1, t.requests):,} |")
+          f"| {t.reused_pages} | {t.bytes:,} | {t.bytes // max(1, t.requests):,} "
+          f"| {t.streamed_pages} |")
     print()
     print("| pages | bytes | send (gather + put), ms | receive (scatter), ms | MB/s end to end |")
     print("|---|---|---|---|---|")

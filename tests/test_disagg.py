@@ -386,3 +386,28 @@ def test_both_engines_keep_stepping_while_a_transfer_is_in_flight(plain_model, m
     monkeypatch.undo()
     done.update(drive(engine))
     assert [len(done[r].outputs[0].token_ids) for r in "abc"] == [3, 3, 12]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_pages_of_a_prompt_still_prefilling_stream_to_the_decode_side(plain_model, stream):
+    engine = DisaggregatedEngine(Engine(plain_model, **PREFILL), Engine(plain_model, **DECODE),
+                                 stream_pages=stream)
+    prompt = list(range(4, 44))  # 40 tokens, 10 pages; chunks of 16 end at 16, 32, 40
+    engine.add_request("a", prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.transfers.streamed_pages == (4 if stream else 0)  # chunk 1's pages
+    out = drive(engine)["a"].outputs[0]
+    assert engine.transfers.streamed_pages == (8 if stream else 0)  # chunk 3's go at hand-off
+    assert engine.transfers.pages == 10 and engine.transfers.reused_pages == 0
+    assert_same_up_to_near_ties(out.token_ids, reference(plain_model, tuple(prompt), 4, 1)[0])
+    # A second prompt (50 tokens, 13 pages) sharing 5 whole pages: the prefill side's cache
+    # serves them, the decode side's holds them, so neither the stream (pages 5-8, after the
+    # chunk ending at 36) nor the hand-off (pages 9-12) sends them.
+    second = prompt[:20] + list(range(60, 90))
+    engine.add_request("b", prompt_token_ids=second, sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True))
+    out = drive(engine)["b"].outputs[0]
+    assert engine.transfers.streamed_pages == (8 + 4 if stream else 0)
+    assert engine.transfers.pages == 10 + 8 and engine.transfers.reused_pages == 5
+    assert_same_up_to_near_ties(out.token_ids, reference(plain_model, tuple(second), 4, 1)[0])

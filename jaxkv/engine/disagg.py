@@ -13,7 +13,11 @@ on different devices; `DisaggregatedEngine` does that with two `Engine`s, each o
    side lacks room);
 3. only those missing pages move (`jaxkv.runtime.kv_transfer`): gathered on the prefill
    devices, put on the decode devices with the decode pool's kv-head sharding, scattered into
-   the fresh pages; the prefill side lets go of its pages as soon as the gather is queued;
+   the fresh pages; the prefill side lets go of its pages as soon as the gather is queued.
+   With ``stream_pages`` (the default) the pages of a prompt still prefilling in chunks start
+   moving as each chunk fills them (page-run streaming: they wait, outside the pool, on the
+   decode devices), so at the hand-off only the last chunk's pages are left to move; pages
+   the decode side's prefix cache holds (looked up before each run) are not sent;
 4. once the pages have arrived the request decodes on the decode engine, which may preempt it
    (it then recomputes there), fork it (n > 1 samples share the pages) and cache its prompt.
 
@@ -40,12 +44,20 @@ from jaxkv.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass
+class _Sent:
+    """A run of a prompt's pages sent to the decode devices: their indices in the prompt."""
+
+    index: list[int]
+    payload: Payload
+
+
+@dataclasses.dataclass
 class _Transfer:
     request_id: str
     entry: object  # the engine's _Entry: prompt and sample streams
     handoff: Handoff
+    sent: list[_Sent]  # runs streamed while it prefilled, then the rest at the reservation
     arrival: Arrival | None = None  # set once the decode side reserved pages
-    payload: Payload | None = None  # pages in flight (None: none were missing)
     started: float = 0.0
 
 
@@ -55,6 +67,7 @@ class TransferStats:
 
     requests: int = 0  # requests handed off and landed
     pages: int = 0  # pages copied
+    streamed_pages: int = 0  # of those, sent while their prompt was still prefilling
     bytes: int = 0  # bytes of those pages (scales included)
     reused_pages: int = 0  # prompt pages the decode side's prefix cache already held
     seconds: float = 0.0  # summed dispatch-to-landing time (host view, coarse)
@@ -62,9 +75,15 @@ class TransferStats:
 
 
 class DisaggregatedEngine:
-    """The `Engine` API (add_request, step, abort, ...) over a prefill and a decode engine."""
+    """The `Engine` API (add_request, step, abort, ...) over a prefill and a decode engine.
 
-    def __init__(self, prefill: Engine, decode: Engine):
+    Both must be idle and share ``page_size`` and ``kv_cache_dtype``; kv heads may be split
+    differently (one count a multiple of the other). ``stream_pages``: send a prompt's pages
+    as its prefill chunks fill them (see the module docstring). ``transfers`` counts what
+    moved; `stats` sums both engines' counters.
+    """
+
+    def __init__(self, prefill: Engine, decode: Engine, *, stream_pages: bool = True):
         if prefill is decode:
             raise ValueError("DisaggregatedEngine: prefill and decode must be two engines")
         for name in ("page_size", "kv_cache_dtype"):
@@ -83,6 +102,8 @@ class DisaggregatedEngine:
         sizes = sorted({min(pow2(n), pow2(decode.max_pages_per_seq))
                         for n in (1, 4, 16, 64, decode.max_pages_per_seq)})
         self.mover = PageMover(prefill.state, decode.state, sizes)
+        self.stream_pages = bool(stream_pages)
+        self._streams: dict[str, list[_Sent]] = {}  # runs sent of prompts still prefilling
         self._where: dict[str, str] = {}  # unfinished request id -> "prefill" | "move" | "decode"
         self._moving: list[_Transfer] = []  # handed off, in arrival order
         self._pending: list[RequestOutput] = []  # aborted in transfer, reported by next step
@@ -120,7 +141,7 @@ class DisaggregatedEngine:
         if t.arrival is None:
             self.prefill.scheduler.release_handoff(t.handoff)
         else:
-            self.decode.scheduler.cancel_arrival(t.arrival)  # a payload in flight is dropped
+            self.decode.scheduler.cancel_arrival(t.arrival)  # payloads in flight are dropped
         now = time.time()
         for s in t.entry.samples:
             if not s.is_done:
@@ -145,13 +166,15 @@ class DisaggregatedEngine:
         for e, dispatched in [(e, e.dispatch()) for e in busy]:
             outputs += e.collect(dispatched)
         if self.prefill.state_resets != resets:  # a failed step lost the prefill pool
+            self._streams.clear()
             for t in [t for t in self._moving if t.arrival is None]:
                 self._recompute_on_decode(t)
         self._take_handoffs()
+        if self.stream_pages:
+            self._stream()
         self._start_transfers()
         if self._moving and not busy:  # nothing else to do: wait for the oldest copy
-            jax.block_until_ready([t.payload.parts for t in self._moving[:1]
-                                   if t.payload is not None])
+            jax.block_until_ready([x.payload.parts for x in self._moving[0].sent])
         self._land()
         for out in outputs:
             if out.finished and self._where.get(out.request_id) != "move" and \
@@ -166,8 +189,29 @@ class DisaggregatedEngine:
             if id(h) not in known:
                 rid = h.seqs[0].request_id
                 entry = self.prefill._requests.pop(rid)
-                self._moving.append(_Transfer(rid, entry, h, started=time.time()))
+                self._moving.append(_Transfer(rid, entry, h, self._streams.pop(rid, []),
+                                              started=time.time()))
                 self._where[rid] = "move"
+        for rid in [r for r in self._streams if r not in self.prefill._requests]:
+            del self._streams[rid]  # finished at its first token, aborted or failed
+
+    def _stream(self) -> None:
+        """Sends the pages each prompt still prefilling has filled since the last step,
+        except those the decode side's prefix cache holds now (page-run streaming)."""
+        s, radix = self.prefill.page_size, self.decode.radix
+        for req in self.prefill.scheduler.running:
+            full = req.num_computed_tokens // s
+            if req.num_computed_tokens >= req.prefill_end or full == 0:
+                continue
+            sent = self._streams.setdefault(req.request_id, [])
+            have = {i for x in sent for i in x.index}
+            held = 0 if radix is None else radix.cached_length(
+                req.token_ids[:full * s], req.cache_namespace) // s
+            run = [i for i in range(held, full) if i not in have]
+            if run:
+                sent.append(_Sent(run, self.mover.send(self.prefill.state,
+                                                       [req.pages[i] for i in run])))
+                self.transfers.streamed_pages += len(run)
 
     def _recompute_on_decode(self, t: _Transfer) -> None:
         """Sends a handed-off request whose prefill KV cannot be used (lost with a failed
@@ -176,7 +220,7 @@ class DisaggregatedEngine:
         self._moving.remove(t)
         if t.arrival is None:
             self.prefill.scheduler.release_handoff(t.handoff)
-        else:  # its pages reserved on the decode side, a payload maybe in flight: dropped
+        else:  # its pages reserved on the decode side, payloads maybe in flight: dropped
             self.decode.scheduler.cancel_arrival(t.arrival)
         for seq in t.handoff.seqs:
             seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
@@ -186,7 +230,8 @@ class DisaggregatedEngine:
 
     def _start_transfers(self) -> None:
         """Reserves decode pages for hand-offs in arrival order (stopping at the first that
-        does not fit) and dispatches the copy of the pages the decode side lacks."""
+        does not fit) and dispatches the copy of the pages the decode side lacks and that
+        were not streamed already."""
         s = self.decode.page_size
         for t in self._moving:
             if t.arrival is not None:
@@ -196,21 +241,25 @@ class DisaggregatedEngine:
                 break
             self.decode._transfer()  # host-tier copies the reservation queued run first
             k, n = arrival.num_shared, -(-t.handoff.num_tokens // s)
-            if k < n:
-                t.payload = self.mover.send(self.prefill.state, t.handoff.pages[k:n],
-                                            arrival.pages[k:n], self.decode.num_pages)
+            have = {i for x in t.sent for i in x.index}
+            rest = [i for i in range(k, n) if i not in have]
+            if rest:
+                t.sent.append(_Sent(rest, self.mover.send(
+                    self.prefill.state, [t.handoff.pages[i] for i in rest])))
             t.arrival = arrival
             self.prefill.scheduler.release_handoff(t.handoff)  # the gather is queued before
             self.transfers.reused_pages += k                   # any later prefill program
 
     def _land(self) -> None:
         for t in list(self._moving):
-            if t.arrival is None or (t.payload is not None and not t.payload.ready()):
+            if t.arrival is None or not all(x.payload.ready() for x in t.sent):
                 continue
-            if t.payload is not None:
-                self.decode.state = self.mover.receive(self.decode.state, t.payload)
-                self.transfers.pages += t.payload.num_pages
-                self.transfers.bytes += t.payload.nbytes
+            k, pages = t.arrival.num_shared, t.arrival.pages
+            for x in t.sent:  # (a streamed page the decode side turned out to hold: dropped)
+                dst = [pages[i] if i >= k else None for i in x.index]
+                self.decode.state = self.mover.receive(self.decode.state, x.payload, dst)
+                self.transfers.pages += x.payload.num_pages
+                self.transfers.bytes += x.payload.nbytes
             self.decode.scheduler.land(t.arrival)
             self.decode._requests[t.request_id] = t.entry
             self._moving.remove(t)
@@ -228,6 +277,7 @@ class DisaggregatedEngine:
         self.prefill.update_params(params, version=version, in_flight=in_flight)
         self.decode.update_params(params, version=self.prefill.weight_version,
                                   in_flight=in_flight)
+        self._streams.clear()  # runs of KV the old weights computed
         if in_flight == "restart":
             for t in list(self._moving):
                 self._recompute_on_decode(t)
@@ -240,9 +290,8 @@ class DisaggregatedEngine:
         """Compiles both engines' programs and the transfer's (one per payload size)."""
         n = self.prefill.warmup() + self.decode.warmup()
         for size in self.mover.sizes:  # out-of-range ids: reads zeros, writes nothing
-            payload = self.mover.send(self.prefill.state, [self.prefill.num_pages] * size,
-                                      [self.decode.num_pages] * size, self.decode.num_pages)
-            self.decode.state = self.mover.receive(self.decode.state, payload)
+            payload = self.mover.send(self.prefill.state, [self.prefill.num_pages] * size)
+            self.decode.state = self.mover.receive(self.decode.state, payload, [None] * size)
             n += 2
         return n
 

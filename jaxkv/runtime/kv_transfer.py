@@ -13,7 +13,9 @@ twice.
 
 Every call is asynchronous: the payload is in flight while both engines keep stepping; the
 decode side loads it once it has arrived (`ready`), and device order keeps each pool's later
-programs after the reads and writes queued here.
+programs after the reads and writes queued here. A payload's destination pages are chosen when
+it is received, so pages can be sent before the decode side has reserved any (page-run
+streaming of a prompt still prefilling).
 """
 
 from __future__ import annotations
@@ -82,16 +84,16 @@ def payload_shardings(state: PagedKVState, heads: int):
 
 @dataclasses.dataclass
 class Payload:
-    """Pages in flight: one (values, scales) part per program size, and where they land."""
+    """Pages in flight to the decode side: parts of a few program sizes, each holding its
+    real pages first (the rest is padding)."""
 
-    parts: list[tuple[object, object]]
-    destinations: list[np.ndarray]  # decode page ids per part (>= P: padding)
+    parts: list[tuple[tuple[object, object], int]]  # ((values, scales), real pages)
     num_pages: int
     nbytes: int  # bytes of the real pages (padding excluded)
 
     def ready(self) -> bool:
         """True once every array of the payload is on the decode side's devices."""
-        return all(x.is_ready() for part in self.parts for x in jax.tree.leaves(part))
+        return all(x.is_ready() for part, _ in self.parts for x in jax.tree.leaves(part))
 
 
 class PageMover:
@@ -112,27 +114,31 @@ class PageMover:
         heads = min(prefill.num_kv_heads, decode.num_kv_heads)
         self.shardings = payload_shardings(decode, heads)
         self.sizes = tuple(sorted(sizes))
-        per_head = decode.page_size * (2 * decode.head_dim * decode.kv_pages.dtype.itemsize
-                                       + (0 if decode.kv_scales is None else 4))
-        self.page_bytes = per_head * decode.num_layers * heads
+        per_token = 2 * decode.head_dim * decode.kv_pages.dtype.itemsize + (
+            0 if decode.kv_scales is None else 4)
+        self.page_bytes = per_token * decode.page_size * decode.num_layers * heads
 
-    def send(self, prefill: PagedKVState, src, dst, num_decode_pages: int) -> Payload:
-        """Dispatches the copy of prefill pages ``src`` toward decode pages ``dst`` (same
-        length); returns at once with the payload in flight."""
-        parts, destinations = [], []
-        for part, n in padded_parts(list(zip(src, dst, strict=True)), self.sizes):
-            s = np.full(n, prefill.num_pages, np.int32)  # out of range: zeros, dropped
-            d = np.full(n, num_decode_pages, np.int32)
-            for i, (a, b) in enumerate(part):
-                s[i], d[i] = a, b
-            values = export_pages(prefill, s, self.pick)
-            parts.append(jax.device_put(values, self.shardings))
-            destinations.append(d)
-        return Payload(parts, destinations, len(src), len(src) * self.page_bytes)
+    def send(self, prefill: PagedKVState, src) -> Payload:
+        """Dispatches the copy of prefill pages ``src`` to the decode devices; returns at once
+        with the payload in flight (where its pages land is `receive`'s choice)."""
+        parts = []
+        for part, n in padded_parts(list(src), self.sizes):
+            ids = np.full(n, prefill.num_pages, np.int32)  # out of range: zeros
+            ids[:len(part)] = part
+            values = export_pages(prefill, ids, self.pick)
+            parts.append((jax.device_put(values, self.shardings), len(part)))
+        return Payload(parts, len(src), len(src) * self.page_bytes)
 
-    def receive(self, decode: PagedKVState, payload: Payload) -> PagedKVState:
-        """Scatters an arrived payload into its decode pages; returns the new decode state."""
+    def receive(self, decode: PagedKVState, payload: Payload, dst) -> PagedKVState:
+        """Scatters an arrived payload: its page i into decode page ``dst[i]`` (None: not
+        needed, dropped). Returns the new decode state."""
         spread = None if self.spread is None else jnp.asarray(self.spread)
-        for (values, scales), dst in zip(payload.parts, payload.destinations, strict=True):
-            decode = import_pages(decode, dst, values, scales, spread)
+        dst = iter(dst)
+        for (values, scales), real in payload.parts:
+            ids = np.full(values.shape[0], decode.num_pages, np.int32)  # out of range: dropped
+            for i in range(real):
+                page = next(dst)
+                if page is not None:
+                    ids[i] = page
+            decode = import_pages(decode, ids, values, scales, spread)
         return decode
