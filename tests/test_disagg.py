@@ -94,6 +94,9 @@ def check_trace(model, trace):
         assert stats.kv_pages_used == 0
         assert stats.kv_pages_cached + stats.kv_pages_free == stats.kv_pages_total
     assert not engine.prefill.scheduler.handoffs and not engine.decode.scheduler.arrivals
+    # every request that finished past its first token decoded on the decode side
+    assert engine.transfers.requests >= sum(r["max_tokens"] > 1 for r in trace
+                                            if r["rid"] not in aborted)
     for r in trace:
         if r["rid"] in aborted:
             continue
@@ -173,12 +176,13 @@ def test_a_prompt_that_fits_only_the_prefill_pool_whole_is_accepted(plain_model)
 
 
 def _stuck_handoff(model):
-    """An engine with one request decoding and holding the decode pool (so the next hand-off
-    waits), and a second request just handed off."""
-    engine = DisaggregatedEngine(Engine(model, **dict(SHAPE, num_pages=24)),
-                                 Engine(model, **dict(SHAPE, num_pages=9)))
-    engine.add_request("long", prompt_token_ids=list(range(4, 20)),
-                       sampling_params=SamplingParams(temperature=0, max_tokens=18,
+    """An engine whose decode side has one slot, held by a request decoding 200 tokens (so
+    the next hand-off waits for room), and a second request just handed off."""
+    engine = DisaggregatedEngine(
+        Engine(model, **dict(SHAPE, num_pages=24)),
+        Engine(model, **dict(SHAPE, num_pages=64, max_num_seqs=1, max_model_len=256)))
+    engine.add_request("long", prompt_token_ids=list(range(4, 12)),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=200,
                                                       ignore_eos=True))
     while engine._where["long"] != "decode":
         engine.step()
@@ -193,7 +197,8 @@ def _stuck_handoff(model):
 
 def test_abort_of_a_handoff_waiting_for_decode_room_frees_its_prefill_pages(plain_model):
     engine = _stuck_handoff(plain_model)
-    assert len(engine.prefill.scheduler.handoffs) == 1  # 22 prompt tokens: 6 pages held
+    assert len(engine.prefill.scheduler.handoffs) == 1
+    assert engine.prefill.stats().kv_pages_used == 6  # 22 prompt tokens held for the copy
     held = engine.prefill.stats().kv_pages_free
     engine.abort("next")
     engine.check()
@@ -299,6 +304,14 @@ def test_a_failed_prefill_step_that_loses_the_pool_sends_waiting_handoffs_to_rec
     assert_same_up_to_near_ties(outs["next"].outputs[0].token_ids, want)
     assert engine.decode.stats().computed_prompt_tokens >= 22  # recomputed there
     assert outs["long"].outputs[0].finish_reason == "length"
+    # The prefill prefix cache kept no entry of the lost pool (the hand-off held its pages
+    # through the engine's own clear): the same prompt again is computed afresh.
+    engine.add_request("again", prompt_token_ids=list(range(30, 52)),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=4,
+                                                      ignore_eos=True))
+    again = drive(engine)["again"]
+    assert again.num_cached_tokens == 0
+    assert_same_up_to_near_ties(again.outputs[0].token_ids, want)
 
 
 def test_update_params_swaps_both_sides_recomputes_transfers_and_compiles_nothing(
@@ -411,3 +424,83 @@ def test_pages_of_a_prompt_still_prefilling_stream_to_the_decode_side(plain_mode
     assert engine.transfers.streamed_pages == (8 + 4 if stream else 0)
     assert engine.transfers.pages == 10 + 8 and engine.transfers.reused_pages == 5
     assert_same_up_to_near_ties(out.token_ids, reference(plain_model, tuple(second), 4, 1)[0])
+
+
+def test_a_prompt_whose_last_chunk_is_one_token_is_handed_off(plain_model):
+    # 17 tokens at a budget of 16: the last chunk is a single token, a "decode-shaped" row;
+    # the prefill engine must not run it as a decode loop and keep the request.
+    engine = disaggregated(plain_model)
+    prompt = list(range(4, 21))
+    engine.add_request("a", prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))
+    out = drive(engine)["a"].outputs[0]
+    assert engine.transfers.requests == 1
+    assert engine.prefill.stats().generated_tokens == 1  # only the first token
+    assert_same_up_to_near_ties(out.token_ids, reference(plain_model, tuple(prompt), 12, 1)[0])
+
+
+class _Gated:
+    """A dispatched step's reader that reports "not finished" until the gate opens."""
+
+    def __init__(self, read, gate):
+        self.read, self.gate = read, gate
+
+    def __call__(self):
+        return self.read()
+
+    def ready(self):
+        return self.gate["open"] and self.read.ready()
+
+
+def test_decode_steps_do_not_wait_for_a_prefill_step_in_flight(plain_model):
+    engine = disaggregated(plain_model)
+    engine.add_request("c", prompt_token_ids=list(range(4, 12)), sampling_params=SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True))
+    while engine._where["c"] != "decode":
+        engine.step()
+    gate, dispatch = {"open": False}, engine.prefill.dispatch
+
+    def slow():  # the prefill engine's steps look unfinished while the gate is shut
+        outputs, plan, read, error = dispatch()
+        return outputs, plan, None if read is None else _Gated(read, gate), error
+
+    engine.prefill.dispatch = slow
+    engine.add_request("a", prompt_token_ids=list(range(20, 60)),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=3,
+                                                      ignore_eos=True))
+    seen = []
+    for _ in range(3):  # a decode loop per step; the prefill step stays in flight
+        seen += [len(o.outputs[0].token_ids) for o in engine.step() if o.request_id == "c"]
+        assert engine.prefill in engine._flight
+        engine.check()
+    assert len(seen) == 3 and seen[-1] > seen[0]
+    gate["open"] = True
+    done = drive(engine)
+    assert len(done["a"].outputs[0].token_ids) == 3
+
+
+def test_a_failed_decode_step_that_loses_the_pool_recomputes_reserved_arrivals(
+        plain_model, monkeypatch):
+    from test_faults import faulty
+
+    engine = disaggregated(plain_model)
+    shared = list(range(4, 20))  # 4 whole pages, cached on the decode side once "c" lands
+    engine.add_request("c", prompt_token_ids=shared + [30, 31], sampling_params=SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True))
+    while engine._where["c"] != "decode":
+        engine.step()
+    monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)
+    prompt = shared + list(range(40, 46))
+    engine.add_request("a", prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True))
+    while not engine.decode.scheduler.arrivals:
+        engine.step()
+    assert engine.decode.scheduler.arrivals[0].num_shared == 4  # pages of the decode pool
+    engine.decode.steps = faulty(engine.decode.steps, fail_at=1, mode="consume")
+    monkeypatch.undo()
+    done = drive(engine)
+    assert engine.decode.state_resets == 1
+    assert done["c"].outputs[0].finish_reason == "error"
+    assert_same_up_to_near_ties(done["a"].outputs[0].token_ids,
+                                reference(plain_model, tuple(prompt), 5, 1)[0])
+    assert engine.decode.stats().kv_pages_used == 0

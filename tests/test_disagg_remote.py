@@ -5,7 +5,8 @@ The end-to-end test runs the prefill worker and the decode worker as two process
 so pages reshard by kv head on the way), the test being their front end. The in-process test
 steps both workers by hand (two transfer servers in one process) to abort a request at the
 two points a timing-driven run cannot reach on purpose: before the decode side reserved it,
-and after the offer was made.
+and after the offer was made; another loses the prefill pool in a failed step while a
+hand-off waits for decode room (it recomputes on the decode side).
 
 Greedy tokens must equal a colocated engine's up to near-ties of the reference's logits (the
 model is random at its initialization scale; see tests/test_disagg.py).
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from multiprocessing import Pipe
 from pathlib import Path
 
@@ -119,6 +121,9 @@ def test_two_processes_move_only_missing_pages_and_match_colocated(model):
         front.add_request("long", prompt_token_ids=LONG, sampling_params=greedy(200, n=2))
         got.until(lambda: "long" in got.latest and
                   len(got.latest["long"].outputs[0].token_ids) > 1, "long decoding")
+        front.add_request("long", prompt_token_ids=C, sampling_params=greedy(2))  # in use
+        got.until(lambda: "long" in front.rejected, "the duplicate id refused")
+        assert "request_id 'long'" in front.rejected["long"]
         front.add_request("x", prompt_token_ids=X, sampling_params=greedy(5))
         got.until(lambda: "x" in got.latest, "x's first token")
         front.abort("x")
@@ -167,12 +172,27 @@ def test_two_processes_move_only_missing_pages_and_match_colocated(model):
 
 # ---- one process, stepped by hand ------------------------------------------------------
 
-def _pair(model):
+def _pair(model, **decode):
     shape = dict(page_size=4, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
                  num_pages=32)
     a, b = Pipe()
     return (PrefillWorker(Engine(model, **shape), KVPeer("127.0.0.1:0"), a),
-            DecodeWorker(Engine(model, **shape), KVPeer("127.0.0.1:0"), b))
+            DecodeWorker(Engine(model, **dict(shape, **decode)), KVPeer("127.0.0.1:0"), b))
+
+
+def _stepper(outs):
+    def step(w):
+        for o in w.step():
+            outs[o.request_id] = o
+        w.check()
+    return step
+
+
+def _in_use(engine):
+    """Pages some request holds (running, handed off, reserved for an arrival): those whose
+    refcount exceeds the prefix cache's references, counted from the allocator, not `stats`."""
+    radix = Counter(engine.radix.held_pages()) if engine.radix is not None else Counter()
+    return sum(engine.allocator.refcount(p) > radix[p] for p in range(engine.num_pages))
 
 
 def _until(fn, what, timeout=30.0):
@@ -183,23 +203,25 @@ def _until(fn, what, timeout=30.0):
 
 
 def test_aborts_before_reservation_and_after_the_offer_free_both_sides(model):
-    p, d = _pair(model)
+    p, d = _pair(model, max_decode_steps=1)  # (one token a step: "after" lands, then decodes)
     outs = {}
-
-    def step(w):
-        for o in w.step():
-            outs[o.request_id] = o
-        w.check()
+    step = _stepper(outs)
 
     # 1. Handed off, the decode side has not seen it yet: the abort follows the hand-off.
     p.add_request("early", prompt_token_ids=A, sampling_params=greedy(4))
     _until(lambda: step(p) or "early" in p._held, "early handed off")
+    assert _in_use(p.engine) == 6  # A's 21 tokens, held for the hand-off
+    with pytest.raises(ValueError, match="request_id 'early'"):
+        p.add_request("early", prompt_token_ids=C, sampling_params=greedy(2))
     p.abort("early")
-    assert p.engine.stats().kv_pages_used == 0
+    assert _in_use(p.engine) == 0
     step(d)
-    assert not d._incoming and not d.engine.scheduler.arrivals
+    assert not d._incoming and not d.engine.scheduler.arrivals and _in_use(d.engine) == 0
     assert outs["early"].finished and outs["early"].outputs[0].finish_reason == "abort"
     assert len(outs["early"].outputs[0].token_ids) == 1
+    assert "early" in p._handed  # until the decode side says it finished
+    step(p)
+    assert not p._handed and not p.has_unfinished_requests()
 
     # 2. Reserved and offered, the decode side told of the offer and the abort in one read:
     # it starts the pull anyway (else the offer would stay on the prefill side) and drops it.
@@ -207,22 +229,91 @@ def test_aborts_before_reservation_and_after_the_offer_free_both_sides(model):
     _until(lambda: step(p) or "late" in p._held, "late handed off")
     step(d)  # reserves, answers with the missing pages
     assert d._incoming["late"].arrival is not None
+    assert _in_use(d.engine) == 3  # C's 10 tokens: 3 pages the two samples share
     step(p)  # offers them
+    assert _in_use(p.engine) == 3
     p.abort("late")
+    assert _in_use(p.engine) == 0
     step(d)  # (the pull may even finish within this step)
-    assert not d._incoming and not d.engine.scheduler.arrivals
+    assert not d._incoming and not d.engine.scheduler.arrivals and _in_use(d.engine) == 0
     assert d.counters["pages"] == p.counters["pages"] == 3  # late's pull was started
     _until(lambda: step(d) or not d._draining, "the drained pull")
     assert outs["late"].outputs[0].finish_reason == "abort" and len(outs["late"].outputs) == 2
 
-    # 3. Both sides keep serving: a request after the aborts matches colocated serving.
+    # 3. Both sides keep serving: a request after the aborts matches colocated serving. Its
+    # id is refused while it decodes on the decode side, and free again once it finished.
     p.add_request("after", prompt_token_ids=B, sampling_params=greedy(5))
+    _until(lambda: step(p) or "after" in p._held, "after handed off")
+    step(d)  # reserves
+    step(p)  # offers
+    _until(lambda: step(d) or "after" in d.engine._requests, "after landed")
+    step(p)  # reads "landed": its pages are freed, its id stays in use
+    assert "after" not in p._held and not outs["after"].finished
+    with pytest.raises(ValueError, match="request_id 'after'"):
+        p.add_request("after", prompt_token_ids=C, sampling_params=greedy(2))
     _until(lambda: step(p) or step(d) or ("after" in outs and outs["after"].finished),
            "after finished")
     assert_same_up_to_near_ties(outs["after"].outputs[0].token_ids,
                                 reference(model, B, 5)[0])
+    _until(lambda: step(p) or not p.has_unfinished_requests(), "the decode side's finished")
     for w in (p, d):
         report = w.report()
         assert report["check"] == "ok" and report["stats"]["kv_pages_used"] == 0, report
         assert report["counters"]["aborted"] == 2, report
+        assert _in_use(w.engine) == 0
     assert d.counters["pages"] == p.counters["pages"]
+    p.add_request("after", prompt_token_ids=C, sampling_params=greedy(2))  # the id is free
+    _until(lambda: step(p) or step(d) or outs["after"].finished, "the second after")
+    assert outs["after"].prompt_token_ids == C
+
+
+def test_a_failed_prefill_step_that_loses_the_pool_recomputes_waiting_handoffs(model):
+    from test_faults import faulty
+
+    p, d = _pair(model, max_num_seqs=2, max_decode_steps=1)  # "long" (n=2): both slots
+    outs = {}
+    step = _stepper(outs)
+    p.add_request("long", prompt_token_ids=LONG, sampling_params=greedy(30, n=2))
+    _until(lambda: step(p) or step(d) or "long" in d.engine._requests, "long decoding")
+    p.add_request("stray", prompt_token_ids=X, sampling_params=greedy(3))
+    p.add_request("next", prompt_token_ids=B, sampling_params=greedy(5))
+    _until(lambda: step(p) or step(d) or {"stray", "next"} <= set(d._incoming),
+           "both handed off, waiting for decode room")
+    assert d._incoming["next"].arrival is None and set(p._held) == {"stray", "next"}
+    assert _in_use(p.engine) == 3 + 6
+
+    # An offer the decode side cannot act on (an unknown request; one it has no room for)
+    # is logged and fails that request only; the prefill side frees its pages on "finished".
+    p.channel.send(dict(op="offer", request_id="ghost", uuid=10**6))
+    p.channel.send(dict(op="offer", request_id="stray", uuid=10**6))
+    step(d)
+    assert outs["stray"].finished and outs["stray"].outputs[0].finish_reason == "error"
+    assert "no reservation" in outs["stray"].error
+    step(p)
+    assert set(p._held) == {"next"} and "stray" not in p._handed
+    assert _in_use(p.engine) == 6
+
+    # The prefill engine's next step ("doomed") fails and loses its pool: "next", not offered
+    # yet, must not move zeroed pages; it recomputes on the decode side once "long" is done.
+    p.engine.steps = faulty(p.engine.steps, fail_at=1, mode="consume")
+    p.add_request("doomed", prompt_token_ids=C, sampling_params=greedy(3))
+    step(p)
+    assert outs["doomed"].outputs[0].finish_reason == "error"
+    assert p.engine.state_resets == 1 and not p._held and _in_use(p.engine) == 0
+    computed = d.engine.stats().computed_prompt_tokens
+    step(d)
+    assert "next" not in d._incoming and "next" in d.engine._requests
+    assert not outs["long"].finished  # "next" waits for room (its tokens, to recompute)
+    _until(lambda: step(p) or step(d) or not p.has_unfinished_requests(), "all finished")
+    assert d.engine.stats().computed_prompt_tokens >= computed + len(B)  # recomputed
+    assert_same_up_to_near_ties(outs["next"].outputs[0].token_ids, reference(model, B, 5)[0])
+    long = outs["long"].outputs
+    for c, want in zip(long, reference(model, LONG, 30, 2), strict=True):
+        assert c.finish_reason == "length"
+        assert_same_up_to_near_ties(c.token_ids, want)
+    assert outs["next"].outputs[0].finish_reason == "length"
+    assert p.counters["recomputed"] == d.counters["recomputed"] == 1
+    assert not d.has_unfinished_requests() and not d._known
+    for w in (p, d):
+        assert w.report()["check"] == "ok"
+        assert _in_use(w.engine) == 0 and w.engine.stats().kv_pages_used == 0

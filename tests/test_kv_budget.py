@@ -3,12 +3,16 @@ accelerator is present), from available RAM on CPU, capped by what max_num_seqs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import jax
+import numpy as np
 import pytest
 
 import jaxkv
 from jaxkv.engine import kv_budget as kb
+from jaxkv.engine.llm import _weights_to_place
 
 GiB = 2**30
 
@@ -32,6 +36,21 @@ def test_device_budget_is_the_fraction_less_weights_and_activations(tiny_config)
     with pytest.raises(ValueError, match="kv_cache_memory_fraction=0.2 leaves no room"):
         kb.kv_budget(tiny_config, fraction=0.2, max_num_batched_tokens=512, max_num_seqs=32,
                      dtype_bytes=4, device=FakeGPU(limit=80 * GiB, used=16 * GiB))
+
+
+def test_weights_still_on_the_host_count_against_the_device_budget(tiny_config):
+    # A model loaded on the host (tensor parallelism, or a prefill/decode pair) reaches the
+    # device only when its engine is built, after the pools are sized: its share counts.
+    act = kb.activation_bytes(tiny_config, 512, 32, 4)
+    got = kb.kv_budget(tiny_config, fraction=0.9, max_num_batched_tokens=512, max_num_seqs=32,
+                       dtype_bytes=4, device=FakeGPU(limit=80 * GiB, used=1 * GiB),
+                       pending_bytes=8 * GiB)
+    assert got.bytes == int(0.9 * 80 * GiB) - 9 * GiB - act
+    model = jaxkv.random_model(tiny_config, seed=0)  # on jax.devices()[0]
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    assert _weights_to_place(model, jax.devices()[0], 2) == 0
+    on_host = dataclasses.replace(model, params=jax.tree.map(np.asarray, model.params))
+    assert _weights_to_place(on_host, jax.devices()[0], 2) == nbytes // 2
 
 
 @pytest.mark.parametrize("fraction", [0, 1.5, "0.9"])

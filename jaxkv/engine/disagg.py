@@ -42,6 +42,8 @@ from jaxkv.runtime.batch import pow2
 from jaxkv.runtime.kv_transfer import PageMover, Payload
 from jaxkv.sampling_params import SamplingParams
 
+POLL_S = 0.0002  # how often `step` looks whether an engine's step in flight has finished
+
 
 @dataclasses.dataclass
 class _Sent:
@@ -70,7 +72,7 @@ class TransferStats:
     streamed_pages: int = 0  # of those, sent while their prompt was still prefilling
     bytes: int = 0  # bytes of those pages (scales included)
     reused_pages: int = 0  # prompt pages the decode side's prefix cache already held
-    seconds: float = 0.0  # summed dispatch-to-landing time (host view, coarse)
+    seconds: float = 0.0  # summed hand-off-to-landing time (waiting for decode room included)
     aborted: int = 0  # requests aborted while in transfer
 
 
@@ -78,9 +80,10 @@ class DisaggregatedEngine:
     """The `Engine` API (add_request, step, abort, ...) over a prefill and a decode engine.
 
     Both must be idle and share ``page_size`` and ``kv_cache_dtype``; kv heads may be split
-    differently (one count a multiple of the other). ``stream_pages``: send a prompt's pages
-    as its prefill chunks fill them (see the module docstring). ``transfers`` counts what
-    moved; `stats` sums both engines' counters.
+    differently (one count a multiple of the other). The prefill engine is a prefill engine
+    from then on (it hands every request off after its first token). ``stream_pages``: send
+    a prompt's pages as its prefill chunks fill them (see the module docstring).
+    ``transfers`` counts what moved; `stats` sums both engines' counters.
     """
 
     def __init__(self, prefill: Engine, decode: Engine, *, stream_pages: bool = True):
@@ -92,7 +95,9 @@ class DisaggregatedEngine:
                 raise ValueError(f"DisaggregatedEngine: {name} differs: prefill {a!r}, decode "
                                  f"{b!r}")
         if prefill.model.config.vocab_size != decode.model.config.vocab_size:
-            raise ValueError("DisaggregatedEngine: the two engines serve different models")
+            raise ValueError(f"DisaggregatedEngine: vocab_size differs: prefill "
+                             f"{prefill.model.config.vocab_size}, decode "
+                             f"{decode.model.config.vocab_size} (two different models)")
         if prefill.has_unfinished_requests() or decode.has_unfinished_requests():
             raise ValueError("DisaggregatedEngine: the engines must be idle")
         self.prefill, self.decode, self.model = prefill, decode, decode.model
@@ -106,7 +111,9 @@ class DisaggregatedEngine:
         self._streams: dict[str, list[_Sent]] = {}  # runs sent of prompts still prefilling
         self._where: dict[str, str] = {}  # unfinished request id -> "prefill" | "move" | "decode"
         self._moving: list[_Transfer] = []  # handed off, in arrival order
-        self._pending: list[RequestOutput] = []  # aborted in transfer, reported by next step
+        self._pending: list[RequestOutput] = []  # outputs the next step returns
+        self._flight: dict[Engine, tuple] = {}  # each engine's dispatched, uncollected step
+        self._aborts: list[str] = []  # aborts waiting for their engine's step to be collected
         self.transfers = TransferStats()
 
     # ---- requests ------------------------------------------------------------------------
@@ -129,14 +136,28 @@ class DisaggregatedEngine:
 
     def abort(self, request_id: str) -> None:
         """Ends an unfinished request wherever it is (prefilling, in transfer, decoding),
-        freeing what it holds on both sides; the next `step` reports it."""
+        freeing what it holds on both sides; the next `step` reports it. (If the engine
+        holding it has a step in flight, the abort happens as that step is collected.)"""
         where = self._where.pop(request_id, None) if isinstance(request_id, str) else None
         if where is None:
             raise ValueError(f"abort: no unfinished request with request_id {request_id!r}")
-        if where != "move":
-            (self.prefill if where == "prefill" else self.decode).abort(request_id)
-            return
-        t = next(t for t in self._moving if t.request_id == request_id)
+        self._aborts.append(request_id)
+        self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        for rid in list(self._aborts):
+            engine = next((e for e in self.engines if rid in e._requests), None)
+            if engine is not None:
+                if engine in self._flight:
+                    continue  # after its step is collected
+                engine.abort(rid)
+            else:
+                t = next((t for t in self._moving if t.request_id == rid), None)
+                if t is not None:
+                    self._abort_transfer(t)
+            self._aborts.remove(rid)  # (or it finished meanwhile: nothing left to free)
+
+    def _abort_transfer(self, t: _Transfer) -> None:
         self._moving.remove(t)
         if t.arrival is None:
             self.prefill.scheduler.release_handoff(t.handoff)
@@ -147,40 +168,70 @@ class DisaggregatedEngine:
             if not s.is_done:
                 self.decode.scheduler.finish(s, "abort", now)
         self.transfers.aborted += 1
-        self._pending.append(self.decode._output(request_id, t.entry))
+        self._pending.append(self.decode._output(t.request_id, t.entry))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._moving) or self.prefill.has_unfinished_requests() \
+        return bool(self._moving or self._flight) or self.prefill.has_unfinished_requests() \
             or self.decode.has_unfinished_requests()
 
     # ---- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step of each engine with work (both dispatched before either is read back),
-        then the hand-offs: new ones reserve decode pages and start their copies, arrived ones
-        join the decode engine's batch for its next step."""
+        """Advances the engines independently: each engine with work has one step in flight,
+        and this collects whichever finished (waiting for the first), so a long prefill chunk
+        holds up no decode step. Then the hand-offs: new ones reserve decode pages and start
+        their copies, arrived ones join the decode engine's batch."""
         outputs, self._pending = self._pending, []
-        busy = [e for e in (self.prefill, self.decode)
-                if e.has_unfinished_requests() or e._pending]
-        resets = self.prefill.state_resets
-        for e, dispatched in [(e, e.dispatch()) for e in busy]:
-            outputs += e.collect(dispatched)
-        if self.prefill.state_resets != resets:  # a failed step lost the prefill pool
-            self._streams.clear()
-            for t in [t for t in self._moving if t.arrival is None]:
-                self._recompute_on_decode(t)
-        self._take_handoffs()
-        if self.stream_pages:
-            self._stream()
-        self._start_transfers()
-        if self._moving and not busy:  # nothing else to do: wait for the oldest copy
+        for e in self.engines:
+            if e not in self._flight and (e.has_unfinished_requests() or e._pending):
+                self._flight[e] = e.dispatch()
+        if self._flight:
+            for e in self._first_done():
+                outputs += self._collect(e)
+        elif self._moving:  # nothing else to do: wait for the oldest copy
             jax.block_until_ready([x.payload.parts for x in self._moving[0].sent])
+        self._start_transfers()
         self._land()
         for out in outputs:
             if out.finished and self._where.get(out.request_id) != "move" and \
                     out.request_id not in self.prefill._requests and \
                     out.request_id not in self.decode._requests:
                 self._where.pop(out.request_id, None)
+        outputs, self._pending = outputs + self._pending, []  # aborts applied meanwhile
+        return outputs
+
+    def _first_done(self) -> list[Engine]:
+        """The engines whose step in flight has finished, once at least one has."""
+        while True:
+            done = [e for e, (_, _, read, error) in self._flight.items()
+                    if error is not None or read is None or read.ready()]
+            if done:
+                return done
+            time.sleep(POLL_S)
+
+    def _collect(self, engine: Engine) -> list[RequestOutput]:
+        resets = engine.state_resets
+        outputs = engine.collect(self._flight.pop(engine))
+        lost = engine.state_resets != resets  # a failed step lost this engine's pool
+        if lost:  # what holds pages of the lost pool recomputes on the decode side: hand-offs
+            self._streams.clear()  # not gathered yet, or reservations sharing cached pages
+            for t in [t for t in self._moving if (t.arrival is None) == (engine is self.prefill)]:
+                self._recompute_on_decode(t)
+            if engine.radix is not None:  # entries those held kept through the engine's clear
+                engine.radix.clear()
+        if engine is self.prefill:
+            self._take_handoffs()
+            if self.stream_pages:
+                self._stream()
+        self._apply_aborts()
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Collects every step in flight (before changing what they ran with)."""
+        outputs = []
+        while self._flight:
+            outputs += self._collect(next(iter(self._flight)))
+        self._pending += outputs
         return outputs
 
     def _take_handoffs(self) -> None:
@@ -233,6 +284,8 @@ class DisaggregatedEngine:
         does not fit) and dispatches the copy of the pages the decode side lacks and that
         were not streamed already."""
         s = self.decode.page_size
+        if self.decode.scheduler.waiting:  # its own preempted requests go first
+            return
         for t in self._moving:
             if t.arrival is not None:
                 continue
@@ -274,6 +327,7 @@ class DisaggregatedEngine:
         """New weights on both engines, under one version (`Engine.update_params`; nothing
         compiles). With ``in_flight="restart"`` a request in transfer, whose prompt KV the old
         weights computed, recomputes it on the decode engine; with "keep" its KV moves on."""
+        self._drain()  # the steps in flight ran with the old weights
         self.prefill.update_params(params, version=version, in_flight=in_flight)
         self.decode.update_params(params, version=self.prefill.weight_version,
                                   in_flight=in_flight)
@@ -288,6 +342,7 @@ class DisaggregatedEngine:
 
     def warmup(self) -> int:
         """Compiles both engines' programs and the transfer's (one per payload size)."""
+        self._drain()
         n = self.prefill.warmup() + self.decode.warmup()
         for size in self.mover.sizes:  # out-of-range ids: reads zeros, writes nothing
             payload = self.mover.send(self.prefill.state, [self.prefill.num_pages] * size)

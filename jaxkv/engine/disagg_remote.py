@@ -13,7 +13,9 @@ coordinated by pickled dicts over a `multiprocessing.connection` channel ("link"
     decode -> prefill  {"op": "reserve", "request_id", "first"}     pages first.. are missing
     prefill -> decode  {"op": "offer", "request_id", "uuid"}        offered under uuid, uuid+1..
     decode -> prefill  {"op": "landed", "request_id"}               pulled: prefill frees pages
-    prefill -> decode  {"op": "abort", "request_id"}                not (or no longer) held here
+    decode -> prefill  {"op": "finished", "request_id"}             ended on the decode side
+    prefill -> decode  {"op": "abort", "request_id"[, "error"]}     not (or no longer) held here
+    prefill -> decode  {"op": "recompute", "request_id"}            its prefill KV was lost
 
 1. The prefill engine runs the prompt and draws each sample's first token (its outputs go to
    its front end), then hands the request off: its pages are held, its state sent.
@@ -34,6 +36,22 @@ Offers are never left pending: a pull of an offer that never comes never ends (a
 offer is such an offer), so offers carry no deadline and the decode side pulls every offer it
 is told about, dropping the payload of an aborted request once it arrives ("draining").
 
+Request ids: the prefill worker refuses (ValueError) an id in use by an unfinished request
+wherever it is: its engine's, and every id it handed off until the decode worker says
+"finished" (sent once for each request it was handed, however it ended: normally, aborted or
+failed), so a reused id never meets its predecessor's messages on either side.
+
+A failed prefill step that loses the prefill KV pool (`Engine.state_resets` changes: the
+engine rebuilt a zeroed state) sends every held hand-off whose pages were not offered yet to
+recompute on the decode side ("recompute": the prefill pages are freed, the decode worker
+cancels its reservation, if any, and queues the samples to recompute from their tokens, as
+after a preemption), as `DisaggregatedEngine` does. The decode worker reserves nothing for
+hand-offs while its own engine has requests waiting (preempted or recomputing): they go first.
+
+A message a worker cannot act on (an offer for an unknown request, a pull that fails) is
+logged and fails that request (finish_reason "error", the message in `RequestOutput.error`);
+the worker keeps serving.
+
 Outputs: each worker returns `RequestOutput`s for what it holds: the first token comes from
 the prefill side, the rest (and every abort after the hand-off) from the decode side.
 `jaxkv.engine.disagg_serve` runs each worker in its own process for a front end.
@@ -42,6 +60,7 @@ the prefill side, the rest (and every abort after the hand-off) from the decode 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -65,6 +84,7 @@ _CARRIED = ("sample_index", "key", "first_token_time", "finish_reason", "finish_
             "num_cached_tokens", "logprobs", "emitted", "bad_words_ids", "prompt_logprobs",
             "prompt_logprobs_sent", "kv_version", "token_versions", "num_preemptions")
 HELLO_TIMEOUT_S = 120.0
+_log = logging.getLogger(__name__)
 
 
 def _hello(engine: Engine, role: str, peer: KVPeer) -> dict:
@@ -102,7 +122,8 @@ class _Side:
         self.hello = _hello(engine, self.role, peer)
         self.other: dict | None = None  # the other side's hello, once read
         self.link_open = True  # False once the other side closed the link (it stopped)
-        self.counters = dict(requests=0, pages=0, bytes=0, reused_pages=0, aborted=0)
+        self.counters = dict(requests=0, pages=0, bytes=0, reused_pages=0, aborted=0,
+                             recomputed=0, failed=0)
         channel.send(self.hello)
 
     def _other(self) -> dict:
@@ -161,13 +182,16 @@ class PrefillWorker(_Side):
         super().__init__(engine, peer, channel)
         engine.scheduler.hand_off_after_prefill = True
         self._held: dict[str, Handoff] = {}  # handed off, pages held until "landed" or abort
+        self._offered: set[str] = set()  # held hand-offs whose pages were offered (exported)
+        self._handed: set[str] = set()  # ids handed off, until the decode side's "finished"
         self._next_uuid = 1
 
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids=None,
                     sampling_params=None, cache_salt: str | None = None) -> None:
         """Queues a request; it must fit the decode side whole (prompt plus max_tokens).
         Raises ValueError naming the field."""
-        if request_id in self._held:
+        # Handed off and not finished on the decode side (the engine checks the ones it holds).
+        if isinstance(request_id, str) and request_id in self._handed:
             raise ValueError(f"request_id {request_id!r} is already used by an unfinished "
                              "request")
         d = self._other()
@@ -188,33 +212,77 @@ class PrefillWorker(_Side):
         """Aborts it here if the engine holds it, else frees its held pages (an offer made for
         it is still pulled by the decode side) and forwards the abort to the decode side."""
         if request_id in self.engine._requests:
-            self.engine.abort(request_id)
+            self.engine.abort(request_id)  # (the decode side never heard of it)
             return
-        h = self._held.pop(request_id, None)
-        if h is not None:  # an export already dispatched reads before any later program
-            self.engine.scheduler.release_handoff(h)
+        if self._drop_held(request_id):
             self.counters["aborted"] += 1
         self.channel.send(dict(op="abort", request_id=request_id))
 
+    def _drop_held(self, rid: str) -> bool:
+        """Frees the pages held for a hand-off (an export already dispatched reads before
+        any later program); False if none are held."""
+        h = self._held.pop(rid, None)
+        if h is None:
+            return False
+        self._offered.discard(rid)
+        self.engine.scheduler.release_handoff(h)
+        return True
+
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self._held)
+        """True while its engine or the decode side has a request it accepted unfinished."""
+        return self.engine.has_unfinished_requests() or bool(self._held) or \
+            (self.link_open and bool(self._handed))
 
     def step(self) -> list[RequestOutput]:
         """Handles the decode side's messages, runs one engine step, sends its hand-offs."""
         for msg in self._messages():
-            h = self._held.get(msg.get("request_id"))
-            if h is None:  # aborted meanwhile: nothing offered, nothing to free
-                continue
-            if msg["op"] == "reserve":
-                self._offer(msg["request_id"], h, msg["first"], msg["shards"])
-            elif msg["op"] == "landed":
-                self._release(msg["request_id"])
+            self._handle(msg)
+        resets = self.engine.state_resets
         outputs = self._step_engine()
+        if self.engine.state_resets != resets:  # a failed step lost the pool: the held pages
+            self._recompute_on_decode()         # not exported yet hold zeros
         known = {id(h) for h in self._held.values()}
         for h in self.engine.scheduler.handoffs:
             if id(h) not in known:
                 self._send_handoff(h)
         return outputs
+
+    def _handle(self, msg: dict) -> None:
+        op, rid = msg.get("op"), msg.get("request_id")
+        if op == "finished":
+            self._handed.discard(rid)
+            self._drop_held(rid)  # (failed there before it landed: its pages are not wanted)
+            return
+        if op not in ("reserve", "landed"):
+            _log.error("PrefillWorker: unexpected message %r (ignored)", msg)
+            return
+        h = self._held.get(rid)
+        if h is None:  # aborted or recomputing meanwhile: nothing offered, nothing to free
+            return
+        if op == "landed":
+            self._release(rid)
+            return
+        try:
+            self._offer(rid, h, msg["first"], msg["shards"])
+        except Exception as e:  # noqa: BLE001 - fail this request, keep serving the rest
+            error = f"{type(e).__name__}: {e}"
+            _log.error("PrefillWorker: offering request %r failed: %s", rid, error,
+                       exc_info=e)
+            self._drop_held(rid)
+            self.counters["failed"] += 1
+            self.channel.send(dict(op="abort", request_id=rid, error=error))
+
+    def _recompute_on_decode(self) -> None:
+        """Frees the pages of every held hand-off not offered yet (their KV was lost with
+        the pool) and has the decode side recompute those requests from their tokens."""
+        for rid in [r for r in self._held if r not in self._offered]:
+            self._drop_held(rid)
+            self.counters["recomputed"] += 1
+            self.channel.send(dict(op="recompute", request_id=rid))
+        for rid in list(self._held):  # offered: their pages were exported before the failure
+            self._drop_held(rid)
+        if self.engine.radix is not None:  # entries the held pages kept through the engine's
+            self.engine.radix.clear()     # own clear: their contents are lost
 
     def _send_handoff(self, h: Handoff) -> None:
         rid = h.seqs[0].request_id
@@ -223,6 +291,7 @@ class PrefillWorker(_Side):
         samples = [dict({k: getattr(s, k) for k in _CARRIED}, status=s.status.value,
                         output_token_ids=s.output_token_ids) for s in entry.samples]
         self._held[rid] = h
+        self._handed.add(rid)
         self.channel.send(dict(
             op="handoff", request_id=rid, prompt=entry.prompt,
             prompt_token_ids=first.prompt_token_ids, sampling_params=first.sampling_params,
@@ -249,10 +318,11 @@ class PrefillWorker(_Side):
         self.counters["pages"] += n - first
         self.counters["bytes"] += (n - first) * _page_bytes(state, min(state.num_kv_heads,
                                                                         d["kv_heads"]))
+        self._offered.add(rid)
         self.channel.send(dict(op="offer", request_id=rid, uuid=uuid))
 
     def _release(self, rid: str) -> None:
-        self.engine.scheduler.release_handoff(self._held.pop(rid))
+        self._drop_held(rid)
         self.counters["requests"] += 1
 
     def check(self) -> None:
@@ -260,6 +330,7 @@ class PrefillWorker(_Side):
         self.engine.check()
         assert {id(h) for h in self._held.values()} == \
             {id(h) for h in self.engine.scheduler.handoffs}, "hand-offs out of step"
+        assert self._offered <= set(self._held) <= self._handed, "hand-off books out of step"
 
 
 @dataclasses.dataclass
@@ -281,6 +352,7 @@ class DecodeWorker(_Side):
     def __init__(self, engine: Engine, peer: KVPeer, channel: Connection):
         super().__init__(engine, peer, channel)
         self._incoming: dict[str, _Incoming] = {}  # in arrival order
+        self._known: set[str] = set()  # ids handed here, until "finished" is sent for them
         self._draining: list[Pull] = []  # pulls of aborted requests, dropped once here
         self._pending: list[RequestOutput] = []
 
@@ -291,18 +363,48 @@ class DecodeWorker(_Side):
         """Handles the prefill side's messages, reserves room for waiting hand-offs, lands
         the ones whose pages arrived, then runs one engine step."""
         for msg in self._messages():
-            rid = msg["request_id"]
-            if msg["op"] == "handoff":
-                self._incoming[rid] = self._rebuild(msg)
-            elif msg["op"] == "offer":
-                self._pull(rid, msg["uuid"])
-            elif msg["op"] == "abort":
-                self.abort(rid)
+            try:
+                self._handle(msg)
+            except Exception as e:  # noqa: BLE001 - fail this request, keep serving the rest
+                self._fail(msg.get("request_id"), f"{type(e).__name__}: {e}", e)
         self._reserve()
         self._land()
-        self._draining = [p for p in self._draining if not p.poll()]
+        self._draining = [p for p in self._draining if not self._drained(p)]
         outputs, self._pending = self._pending, []  # aborts, this step's included
-        return outputs + self._step_engine()
+        resets = self.engine.state_resets
+        outputs += self._step_engine()
+        if self.engine.state_resets != resets:  # a failed step lost this pool: reservations
+            for rid in [r for r, t in self._incoming.items() if t.arrival is not None]:
+                self._recompute(rid)  # share pages of it, so they recompute here
+            if self.engine.radix is not None:  # entries those pages kept through the clear
+                self.engine.radix.clear()
+        for rid in [r for r in self._known
+                    if r not in self._incoming and r not in self.engine._requests]:
+            self._known.discard(rid)  # ended here (normally, aborted or failed)
+            if self.link_open:
+                self.channel.send(dict(op="finished", request_id=rid))
+        return outputs
+
+    def _handle(self, msg: dict) -> None:
+        op, rid = msg.get("op"), msg.get("request_id")
+        if op == "handoff":
+            if rid in self._known:  # the prefill side never reuses an unfinished id
+                _log.error("DecodeWorker: a second hand-off of unfinished request %r "
+                           "(ignored)", rid)
+                return
+            self._incoming[rid] = self._rebuild(msg)
+            self._known.add(rid)
+        elif op == "offer":
+            self._pull(rid, msg["uuid"])
+        elif op == "abort":
+            if msg.get("error") is not None and rid in self._incoming:
+                self._fail(rid, msg["error"])
+            else:
+                self.abort(rid)
+        elif op == "recompute":
+            self._recompute(rid)
+        else:
+            raise ValueError(f"DecodeWorker: unexpected message {msg!r}")
 
     def abort(self, request_id: str) -> None:
         """Aborts it wherever it is here (waiting for room, pulling, decoding); unknown ids
@@ -312,15 +414,52 @@ class DecodeWorker(_Side):
             if request_id in self.engine._requests:
                 self.engine.abort(request_id)
             return
+        self._end(t, "abort")
+        self.counters["aborted"] += 1
+
+    def _fail(self, rid, error: str, exc: Exception | None = None) -> None:
+        """Logs a message it could not act on and fails its request, if it is in transfer
+        here (finish_reason "error", ``error`` in its output)."""
+        _log.error("DecodeWorker: request %r failed: %s", rid, error, exc_info=exc)
+        t = self._incoming.pop(rid, None) if isinstance(rid, str) else None
+        if t is not None:
+            t.entry.error = error
+            self._end(t, "error")
+            self.counters["failed"] += 1
+
+    def _end(self, t: _Incoming, reason: str) -> None:
+        """Ends a request in transfer: its reservation freed, its pulls drained."""
         if t.arrival is not None:
             self.engine.scheduler.cancel_arrival(t.arrival)
         self._draining += [p for p, _ in t.pulls or ()]
         now = time.time()
         for s in t.entry.samples:
             if not s.is_done:
-                self.engine.scheduler.finish(s, "abort", now)
-        self.counters["aborted"] += 1
-        self._pending.append(self.engine._output(request_id, t.entry))
+                self.engine.scheduler.finish(s, reason, now)
+        self._pending.append(self.engine._output(t.request_id, t.entry))
+
+    @staticmethod
+    def _drained(pull: Pull) -> bool:
+        try:
+            return pull.poll()
+        except Exception as e:  # noqa: BLE001 - its payload was to be dropped anyway
+            _log.warning("DecodeWorker: a drained pull failed: %s: %s", type(e).__name__, e)
+            return True
+
+    def _recompute(self, rid: str) -> None:
+        """The prefill side lost the request's KV before offering it: its samples wait on
+        this engine, which recomputes them from their tokens (as after a preemption)."""
+        t = self._incoming.pop(rid, None)
+        if t is None:  # landed already (its pages were all cached here), or aborted
+            return
+        if t.arrival is not None:
+            self.engine.scheduler.cancel_arrival(t.arrival)
+        self._draining += [p for p, _ in t.pulls or ()]
+        for seq in t.handoff.seqs:
+            seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
+            self.engine.scheduler.add(seq)
+        self.engine._requests[rid] = t.entry
+        self.counters["recomputed"] += 1
 
     def _rebuild(self, msg: dict) -> _Incoming:
         tok, eos = self.engine.model.tokenizer, self.engine.scheduler.eos_token_ids
@@ -342,6 +481,8 @@ class DecodeWorker(_Side):
     def _reserve(self) -> None:
         """Reserves room for waiting hand-offs in arrival order, stopping at the first that
         does not fit (it retries next step)."""
+        if self.engine.scheduler.waiting:  # its own waiting requests (preempted, recomputing)
+            return                         # first: steady hand-offs would starve them
         for t in self._incoming.values():
             if t.arrival is not None:
                 continue
@@ -369,6 +510,9 @@ class DecodeWorker(_Side):
         t, state = self._incoming.get(rid), self.engine.state
         if t is None:  # the prefill side forwards an abort after its offer, never before
             raise ValueError(f"DecodeWorker: an offer for unknown request {rid!r}")
+        if t.arrival is None or t.pulls is not None:
+            raise ValueError(f"DecodeWorker: an offer for request {rid!r}, which has "
+                             f"{'no reservation' if t.arrival is None else 'its pulls'}")
         heads, shardings, _ = self._wire()
         k, n = t.arrival.num_shared, -(-t.arrival.num_tokens // state.page_size)
         t.pulls = []
@@ -387,13 +531,19 @@ class DecodeWorker(_Side):
 
     def _land(self) -> None:
         for t in list(self._incoming.values()):
-            if t.pulls is None or not all(p.poll() for p, _ in t.pulls):
+            try:
+                if t.pulls is None or not all(p.poll() for p, _ in t.pulls):
+                    continue
+                _, spread = head_maps(self._other()["kv_heads"],
+                                      self.engine.state.num_kv_heads)
+                spread = None if spread is None else jnp.asarray(spread)
+                for p, dst in t.pulls:
+                    values, scales = p.result()
+                    self.engine.state = import_pages(self.engine.state, dst, values, scales,
+                                                     spread)
+            except Exception as e:  # noqa: BLE001 - a failed pull fails its request only
+                self._fail(t.request_id, f"{type(e).__name__}: {e}", e)
                 continue
-            _, spread = head_maps(self._other()["kv_heads"], self.engine.state.num_kv_heads)
-            spread = None if spread is None else jnp.asarray(spread)
-            for p, dst in t.pulls:
-                values, scales = p.result()
-                self.engine.state = import_pages(self.engine.state, dst, values, scales, spread)
             self.engine.scheduler.land(t.arrival)
             self.engine._requests[t.request_id] = t.entry
             del self._incoming[t.request_id]
@@ -406,4 +556,5 @@ class DecodeWorker(_Side):
         self.engine.check()
         assert [t.arrival for t in self._incoming.values() if t.arrival is not None] == \
             self.engine.scheduler.arrivals, "decode arrivals out of step"
+        assert set(self._incoming) <= self._known, "hand-off books out of step"
 

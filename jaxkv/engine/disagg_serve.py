@@ -38,9 +38,11 @@ def _serve(worker: _Side, front: Connection) -> dict:
             if msg["op"] == "add":
                 try:
                     worker.add_request(**msg["args"])
-                except ValueError as e:
-                    front.send(dict(op="rejected", request_id=msg["args"]["request_id"],
-                                    error=str(e)))
+                except Exception as e:  # noqa: BLE001 - a bad request must not stop the worker
+                    error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                    args = msg.get("args")
+                    front.send(dict(op="rejected", error=error, request_id=args.get(
+                        "request_id") if isinstance(args, dict) else None))
             elif msg["op"] == "abort":
                 worker.abort(msg["request_id"])
             elif msg["op"] == "stop":
@@ -56,7 +58,9 @@ def _serve(worker: _Side, front: Connection) -> dict:
                 return report
             wait(links, timeout=0.05)  # idle: until a message comes
         elif not worker.engine.has_unfinished_requests():
-            wait(links, timeout=0.002)  # only transfers: poll them
+            # Only transfers: a decode worker polls its pulls; a prefill worker waits for the
+            # decode side's messages (reservations, landings, finished requests).
+            wait(links, timeout=0.002 if isinstance(worker, DecodeWorker) else 0.05)
 
 
 def run_prefill_worker(engine: Engine, peer: KVPeer, listener: Listener) -> dict:

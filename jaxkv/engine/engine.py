@@ -85,9 +85,14 @@ class _Read:
 
     fn: Callable[[], tuple[str, list]]
     version: int | str
+    tokens: object = None  # the device arrays it reads (`ready` looks at them)
 
     def __call__(self) -> tuple[str, list]:
         return self.fn()
+
+    def ready(self) -> bool:
+        """True once the program has produced its tokens (reading them will not wait)."""
+        return all(x.is_ready() for x in jax.tree.leaves(self.tokens))
 
 
 @dataclasses.dataclass
@@ -297,7 +302,15 @@ class Engine:
 
     def _check_fits(self, request_id: str, prompt_len: int, sp: SamplingParams) -> None:
         # A prefill engine of a DisaggregatedEngine holds a request until its first token.
-        total = prompt_len + (1 if self.scheduler.hand_off_after_prefill else sp.max_tokens)
+        if self.scheduler.hand_off_after_prefill:
+            total = prompt_len + 1
+            need = -(-prompt_len // self.page_size)
+            if prompt_len >= self.max_model_len or need > self.num_pages:
+                raise ValueError(f"request {request_id!r}: the prompt ({prompt_len} tokens, "
+                                 f"{need} pages) does not fit the prefill engine "
+                                 f"(max_model_len={self.max_model_len}, {self.num_pages} pages)")
+        else:
+            total = prompt_len + sp.max_tokens
         if prompt_len >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: the prompt has {prompt_len} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
@@ -479,7 +492,7 @@ class Engine:
                 logprobs.record_prompt_logprobs(*prompt_lps, self.model.tokenizer)
             return "step", [[int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
                             else None for r in rows]
-        return _Read(read, self.weight_version)
+        return _Read(read, self.weight_version, drawn)
 
     def _sampling(self, seqs, rows: int | None = None):
         """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""
@@ -504,6 +517,7 @@ class Engine:
         """How many decode steps to run on device for this plan (1: a plain step): only
         decodes, no request waiting, and every row's stop ids checkable on device."""
         if (self.steps.max_decode_steps == 1 or plan.prefill_rows or self.scheduler.waiting
+                or self.scheduler.hand_off_after_prefill  # a prompt's last token: hand off
                 or any(len(r.samples) != 1 or r.samples[0].logprobs is not None
                        or has_processors(r.samples[0].sampling_params)
                        for r in plan.decode_rows)):
@@ -559,7 +573,7 @@ class Engine:
             self._steps += int((got >= 0).any(axis=1).sum())
             return "loop", [[int(t) for t in got[:, i] if t >= 0] for i in range(rows)]
         return _Loop(plan, starts, limits, generated, table, after,
-                     _Read(read, self.weight_version))
+                     _Read(read, self.weight_version, out))
 
     def _chain(self, current: _Loop) -> _Loop | None:
         """Dispatches the continuation of a loop whose tokens are not read yet, or returns

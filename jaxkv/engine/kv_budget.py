@@ -55,8 +55,9 @@ def activation_bytes(config, max_num_batched_tokens: int, max_num_seqs: int,
 
 
 def kv_budget(config, *, fraction: float, max_num_batched_tokens: int, max_num_seqs: int,
-              dtype_bytes: int, device=None) -> KVBudget:
-    """Bytes for KV pages on ``device`` (default: the first device)."""
+              dtype_bytes: int, device=None, pending_bytes: int = 0) -> KVBudget:
+    """Bytes for KV pages on ``device`` (default: the first device). ``pending_bytes``: weights
+    the device will hold that are not on it yet (a model loaded on the host, placed later)."""
     if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
     device = device or jax.devices()[0]
@@ -72,7 +73,7 @@ def kv_budget(config, *, fraction: float, max_num_batched_tokens: int, max_num_s
         return KVBudget(size, f"min({fraction:g} x {avail / 2**30:.1f} GiB of available RAM, "
                               f"{CPU_KV_CACHE_BYTES / 2**30:g} GiB)")
     limit = stats["bytes_limit"]
-    used = stats.get("bytes_in_use", 0)  # now: weights and other live engines' pools
+    used = stats.get("bytes_in_use", 0) + pending_bytes  # weights, other engines' pools
     act = activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
     size = int(fraction * limit) - used - act
     if size <= 0:

@@ -109,8 +109,8 @@ class LLM:
                       kv_cache_memory_fraction=kv_cache_memory_fraction,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       kv_cache_dtype=kv_cache_dtype)
-        tps = [tensor_parallel_size] if sides is None else [tp for _, tp in sides]
-        pools = [_kv_pool(model, tp, **sizing) for tp in tps]
+        split = [(devices[:need], tensor_parallel_size)] if sides is None else sides
+        pools = [_kv_pool(model, tp, devs[0], **sizing) for devs, tp in split]
         self.kv_pool = pools[-1]  # the decode side's, when disaggregated
         self.prefill_kv_pool = pools[0] if sides is not None else None
         self.model = model
@@ -245,11 +245,12 @@ def _disaggregated_sides(prefill_devices, decode_devices, data_parallel_size: in
     return sides
 
 
-def _kv_pool(model: Model, tp: int, *, page_size: int, num_pages: int | None,
+def _kv_pool(model: Model, tp: int, device, *, page_size: int, num_pages: int | None,
              max_model_len: int | None, kv_cache_memory_bytes: int | None,
              kv_cache_memory_fraction: float, max_num_seqs: int, max_num_batched_tokens: int,
              kv_cache_dtype: str) -> dict:
-    """The KV pool of one engine on ``tp`` devices (see `LLM`), logged at INFO."""
+    """The KV pool of one engine on ``tp`` devices, the first of them ``device`` (see `LLM`),
+    logged at INFO."""
     copies = max(1, tp // model.config.num_kv_heads)
     try:
         per_token = kv_bytes_per_token(model, kv_cache_dtype)
@@ -262,7 +263,8 @@ def _kv_pool(model: Model, tp: int, *, page_size: int, num_pages: int | None,
             budget = kv_budget(model.config, fraction=kv_cache_memory_fraction,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_num_seqs=max_num_seqs,
-                               dtype_bytes=np.dtype(model.dtype).itemsize)
+                               dtype_bytes=np.dtype(model.dtype).itemsize, device=device,
+                               pending_bytes=_weights_to_place(model, device, tp))
             memory, source = budget.bytes, budget.source
         else:
             memory, source = kv_cache_memory_bytes, "kv_cache_memory_bytes"
@@ -287,3 +289,11 @@ def _kv_pool(model: Model, tp: int, *, page_size: int, num_pages: int | None,
                 num_pages * page_size, num_pages * page_bytes / 2**30, source,
                 pool["full_sequences"], max_model_len)
     return pool
+
+
+def _weights_to_place(model: Model, device, tp: int) -> int:
+    """Bytes of weights each device of a ``tp``-way engine will receive that are not on
+    ``device`` yet (a model loaded on the host for tensor parallelism or a second engine)."""
+    away = sum(x.nbytes for x in jax.tree.leaves(model.params)
+               if not (isinstance(x, jax.Array) and device in x.sharding.device_set))
+    return away // tp

@@ -542,7 +542,10 @@ class Scheduler:
         return held
 
     def page_usage(self) -> tuple[int, int]:
-        """(pages held by running sequences, pages held only by the prefix cache)."""
+        """(pages held by running sequences and by requests in a prefill-to-decode transfer,
+        pages held only by the prefix cache)."""
         used = {p for r in self.running for p in r.pages}
+        used |= {p for h in self.handoffs for p in h.pages}
+        used |= {p for a in self.arrivals for seq in a.seqs for p in seq.pages}
         cached = set(self.radix.held_pages()) - used if self.radix is not None else set()
         return len(used), len(cached)
