@@ -16,8 +16,9 @@ on different devices; `DisaggregatedEngine` does that with two `Engine`s, each o
    the fresh pages; the prefill side lets go of its pages as soon as the gather is queued.
    With ``stream_pages`` (the default) the pages of a prompt still prefilling in chunks start
    moving as each chunk fills them (page-run streaming: they wait, outside the pool, on the
-   decode devices), so at the hand-off only the last chunk's pages are left to move; pages
-   the decode side's prefix cache holds (looked up before each run) are not sent;
+   decode devices), so at the hand-off only the last chunk's pages are left to move. Pages
+   the decode side's prefix cache holds (looked up before each run) are not streamed, nor
+   are those the prefill side's own cache served (they wait for the hand-off's look);
 4. once the pages have arrived the request decodes on the decode engine, which may preempt it
    (it then recomputes there), fork it (n > 1 samples share the pages) and cache its prompt.
 
@@ -258,7 +259,11 @@ class DisaggregatedEngine:
             have = {i for x in sent for i in x.index}
             held = 0 if radix is None else radix.cached_length(
                 req.token_ids[:full * s], req.cache_namespace) // s
-            run = [i for i in range(held, full) if i not in have]
+            # Pages the prefill side's own prefix cache served came from an earlier request,
+            # whose hand-off has usually put them in the decode side's cache too: they wait
+            # for the hand-off's look, so streaming sends only what this prompt computed.
+            first = max(held, (req.num_cached_tokens or 0) // s)
+            run = [i for i in range(first, full) if i not in have]
             if run:
                 sent.append(_Sent(run, self.mover.send(self.prefill.state,
                                                        [req.pages[i] for i in run])))
