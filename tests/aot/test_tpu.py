@@ -210,3 +210,75 @@ def test_decode_loop_keeps_the_pool_in_place(chip, table):
     assert len(r.vmem_bytes) == 1
     assert r.alias_bytes >= pool
     assert r.largest_copy() < 0.2 * pool  # weights and sampler rows, never the pool
+
+
+TRANSFER_COLUMNS = ["chip", "pool", "program", "pages moved", "pool MiB", "temp MiB",
+                    "largest copy MiB", "aliased MiB", "compile s"]
+
+
+def _transfer_programs(model, page_size, kv, table):
+    """Compiles the gather (prefill side) and the scatter (decode side) of 64 pages of a
+    1 GiB pool for v5e; records both in the table."""
+    from jaxkv.runtime import kv_transfer
+
+    case = aot_steps.StepCase(model, "decode", 1.0, 1, 1, 4096, page_size=page_size,
+                              kv_cache_dtype=kv)
+    state = aot_tpu.on_chip("v5e", aot_steps.state_of(case))
+    ids = aot_tpu.abstract("v5e", (64,), jnp.int32)
+    pool = aot_steps.pool_bytes(state)
+    export = aot_tpu.compile_for("v5e", kv_transfer.export_pages, state, ids, None)
+    payload = aot_tpu.on_chip("v5e", jax.eval_shape(kv_transfer.export_pages, state, ids, None))
+    scatter = aot_tpu.compile_for("v5e", kv_transfer.import_pages, state, ids, *payload, None)
+    for name, r in (("export_pages", export), ("import_pages", scatter)):
+        table("KV transfer programs on TPU (jaxkv.runtime.kv_transfer)", TRANSFER_COLUMNS,
+              ["v5e", f"{model} S={page_size} {kv}", name, 64, pool // MiB,
+               f"{r.temp_bytes / MiB:.1f}", f"{r.largest_copy() / MiB:.1f}",
+               r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    return state, pool, export, scatter
+
+
+@pytest.mark.parametrize("model, page_size", [("llama-3.2-1b", 16), ("llama-3.2-3b", 64)])
+def test_kv_transfer_programs_leave_the_pool_in_place(model, page_size, table):
+    """Prefill/decode disaggregation's programs (jaxkv.runtime.kv_transfer) on a bf16 pool:
+    the gather of a request's pages copies no pool (a gather along the page axis relaid the
+    whole pool out at head_dim 128: `gather_pages` reads page by page), and the scatter into
+    the decode pool updates the donated pool in place."""
+    _, pool, export, scatter = _transfer_programs(model, page_size, "auto", table)
+    for r in (export, scatter):
+        assert r.largest_copy() < 0.1 * pool, r.copies
+        assert r.temp_bytes < 0.1 * pool
+    assert scatter.alias_bytes >= pool
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.2-3b"])
+def test_int8_kv_transfer_on_tpu_copies_the_pool(model, table):
+    """A known limit (docs/AOT.md), like the int8 step write at head_dim 128: with int8 pages
+    XLA:TPU relays the whole s8 pool out to read 64 pages of it (head_dim 64 and 128), and to
+    write them at head_dim 128. It compiles; this test fails once the copy goes."""
+    state, _, export, scatter = _transfer_programs(model, 64, "int8", table)
+    pages = state.kv_pages.size  # int8: one byte each
+    assert any(c.shape.startswith("s8[") and c.nbytes >= pages for c in export.copies)
+    assert scatter.alias_bytes >= pages
+
+
+@pytest.mark.parametrize("model, page_size", [("llama-3.2-1b", 16), ("llama-3.2-3b", 64)])
+def test_page_copies_leave_a_bf16_pool_in_place(model, page_size, table):
+    """copy_pages (copy-on-write, a partly matched prefix page) and fill_pages (NaN poisoning)
+    of 8 pages: in place, no copy of the pool (copy_pages' gather along the page axis relaid
+    the whole pool out at head_dim 128 before it read page by page)."""
+    from jaxkv.runtime.page_copy import copy_pages, fill_pages
+
+    case = aot_steps.StepCase(model, "decode", 1.0, 1, 1, 4096, page_size=page_size)
+    state = aot_tpu.on_chip("v5e", aot_steps.state_of(case))
+    ids = aot_tpu.abstract("v5e", (8,), jnp.int32)
+    pool = aot_steps.pool_bytes(state)
+    for name, r in (
+            ("copy_pages", aot_tpu.compile_for("v5e", copy_pages, state, ids, ids)),
+            ("fill_pages", aot_tpu.compile_for("v5e", fill_pages, state, ids,
+                                               aot_tpu.abstract("v5e", (), jnp.float32)))):
+        table("KV transfer programs on TPU (jaxkv.runtime.kv_transfer)", TRANSFER_COLUMNS,
+              ["v5e", f"{model} S={page_size} auto", name, 8, pool // MiB,
+               f"{r.temp_bytes / MiB:.1f}", f"{r.largest_copy() / MiB:.1f}",
+               r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+        assert r.largest_copy() < 0.1 * pool and r.temp_bytes < 0.1 * pool, name
+        assert r.alias_bytes >= pool

@@ -81,6 +81,11 @@ def _abstract_state(case: StepCase):
     return graphdef, params, state, pages, case.max_model_len // case.page_size
 
 
+def state_of(case: StepCase):
+    """The abstract KV state of a case's pool."""
+    return _abstract_state(case)[2]
+
+
 def step_inputs(case: StepCase, impl: str):
     """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv ragged
     ``step`` (T tokens over B slots)."""
