@@ -30,9 +30,11 @@ def plain_model(tiny_config):
     return jaxkv.random_model(tiny_config, seed=0)
 
 
-def disaggregated(model, **kw):
+def disaggregated(model, lockstep=False, **kw):
+    """The engines step independently unless ``lockstep`` (a reproducible interleaving, for
+    tests that need one stage to be reached before another)."""
     return DisaggregatedEngine(Engine(model, **dict(PREFILL, **kw)),
-                               Engine(model, **dict(DECODE, **kw)))
+                               Engine(model, **dict(DECODE, **kw)), lockstep=lockstep)
 
 
 _REF: dict = {}
@@ -126,7 +128,7 @@ def test_the_trace_shape_preempts_on_the_decode_side_and_makes_arrivals_wait(pla
     # The pools above must force decode-side preemption and waiting hand-offs for the trace
     # property to cover them.
     rng = np.random.default_rng(0)
-    engine = disaggregated(plain_model)
+    engine = disaggregated(plain_model, lockstep=True)
     waited = False
     for i in range(5):
         engine.add_request(str(i), prompt_token_ids=rng.integers(4, 96, 14).tolist(),
@@ -180,7 +182,8 @@ def _stuck_handoff(model):
     the next hand-off waits for room), and a second request just handed off."""
     engine = DisaggregatedEngine(
         Engine(model, **dict(SHAPE, num_pages=24)),
-        Engine(model, **dict(SHAPE, num_pages=64, max_num_seqs=1, max_model_len=256)))
+        Engine(model, **dict(SHAPE, num_pages=64, max_num_seqs=1, max_model_len=256)),
+        lockstep=True)
     engine.add_request("long", prompt_token_ids=list(range(4, 12)),
                        sampling_params=SamplingParams(temperature=0, max_tokens=200,
                                                       ignore_eos=True))
@@ -217,7 +220,7 @@ def test_abort_of_a_handoff_waiting_for_decode_room_frees_its_prefill_pages(plai
 
 def test_abort_of_a_transfer_in_flight_frees_its_decode_pages(plain_model, monkeypatch):
     monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)  # never lands
-    engine = disaggregated(plain_model)
+    engine = disaggregated(plain_model, lockstep=True)
     engine.add_request("a", prompt_token_ids=list(range(4, 30)),
                        sampling_params=SamplingParams(temperature=0, max_tokens=5, n=2,
                                                       ignore_eos=True))
@@ -375,7 +378,7 @@ def test_after_warmup_disaggregated_serving_compiles_nothing(plain_model):
 
 
 def test_both_engines_keep_stepping_while_a_transfer_is_in_flight(plain_model, monkeypatch):
-    engine = disaggregated(plain_model)
+    engine = disaggregated(plain_model, lockstep=True)
     engine.add_request("c", prompt_token_ids=list(range(4, 12)), sampling_params=SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))
     while engine._where["c"] != "decode":
@@ -483,7 +486,7 @@ def test_a_failed_decode_step_that_loses_the_pool_recomputes_reserved_arrivals(
         plain_model, monkeypatch):
     from test_faults import faulty
 
-    engine = disaggregated(plain_model)
+    engine = disaggregated(plain_model, lockstep=True)
     shared = list(range(4, 20))  # 4 whole pages, cached on the decode side once "c" lands
     engine.add_request("c", prompt_token_ids=shared + [30, 31], sampling_params=SamplingParams(
         temperature=0, max_tokens=30, ignore_eos=True))

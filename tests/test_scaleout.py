@@ -58,8 +58,11 @@ def test_bench_disagg_small_run():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [ln.strip("|").split("|") for ln in run.stdout.splitlines() if ln.startswith("| 2 ")]
     cells = [c.strip() for c in rows[0]]
-    # 2 prompts of 40 tokens: 3 pages of 16 each; the second finds 2 whole pages cached.
-    assert cells[:5] == ["2", "2/2", "6", "4", "2"], cells
-    # bytes: 4 pages x 16 tokens x 4 layers x 2 kv heads x (2 x 32 x 4 B)
-    assert cells[5] == f"{4 * 16 * 4 * 2 * 256:,}"
+    # 2 prompts of 40 tokens: 3 pages of 16 each; the second finds the 2 whole pages of the
+    # shared prefix in the decode side's cache if the first has landed by then (it usually
+    # has: one request arrives per step), else moves all 3.
+    moved, reused = int(cells[3]), int(cells[4])
+    assert cells[:3] == ["2", "2/2", "6"] and (moved, reused) in ((4, 2), (6, 0)), cells
+    # bytes: pages x 16 tokens x 4 layers x 2 kv heads x (2 x 32 x 4 B)
+    assert cells[5] == f"{moved * 16 * 4 * 2 * 256:,}"
     assert "reproduce: python scripts/bench_disagg.py --requests 2" in run.stdout

@@ -84,10 +84,13 @@ class DisaggregatedEngine:
     differently (one count a multiple of the other). The prefill engine is a prefill engine
     from then on (it hands every request off after its first token). ``stream_pages``: send
     a prompt's pages as its prefill chunks fill them (see the module docstring).
+    ``lockstep``: each `step` waits for both engines' steps (a reproducible interleaving, for
+    tests; slower: decode steps then wait for prefill chunks).
     ``transfers`` counts what moved; `stats` sums both engines' counters.
     """
 
-    def __init__(self, prefill: Engine, decode: Engine, *, stream_pages: bool = True):
+    def __init__(self, prefill: Engine, decode: Engine, *, stream_pages: bool = True,
+                 lockstep: bool = False):
         if prefill is decode:
             raise ValueError("DisaggregatedEngine: prefill and decode must be two engines")
         for name in ("page_size", "kv_cache_dtype"):
@@ -108,7 +111,7 @@ class DisaggregatedEngine:
         sizes = sorted({min(pow2(n), pow2(decode.max_pages_per_seq))
                         for n in (1, 4, 16, 64, decode.max_pages_per_seq)})
         self.mover = PageMover(prefill.state, decode.state, sizes)
-        self.stream_pages = bool(stream_pages)
+        self.stream_pages, self.lockstep = bool(stream_pages), bool(lockstep)
         self._streams: dict[str, list[_Sent]] = {}  # runs sent of prompts still prefilling
         self._where: dict[str, str] = {}  # unfinished request id -> "prefill" | "move" | "decode"
         self._moving: list[_Transfer] = []  # handed off, in arrival order
@@ -202,7 +205,10 @@ class DisaggregatedEngine:
         return outputs
 
     def _first_done(self) -> list[Engine]:
-        """The engines whose step in flight has finished, once at least one has."""
+        """The engines whose step in flight has finished, once at least one has (with
+        ``lockstep``: all of them)."""
+        if self.lockstep:
+            return list(self._flight)
         while True:
             done = [e for e, (_, _, read, error) in self._flight.items()
                     if error is not None or read is None or read.ready()]

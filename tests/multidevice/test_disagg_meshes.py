@@ -69,13 +69,15 @@ def test_tokens_equal_one_device_across_tensor_parallel_sizes(model, reference, 
         assert tuple(state.kv_pages.sharding.spec)[:2] == (None, "tp")
         if kv == "int8":
             assert tuple(state.kv_scales.sharding.spec)[:2] == (None, "tp")
-    # What moved: every prompt's pages (none reused: they arrive together), with the kv heads
+    # What moved: each prompt page either moved or was in the decode side's prefix cache (a
+    # page streamed before a shared prefix landed there may have done both), with the kv heads
     # of the smaller side once each: 2 layers x min(K) heads x 8 tokens x bytes per token.
     pages = sum(-(-len(p) // 8) for p in PROMPTS)
     heads = min(max(2, tp_prefill), max(2, tp_decode))
     per_token = 2 * 16 * (4 if kv == "auto" else 1) + (0 if kv == "auto" else 4)
     stats = engine.stats()
-    assert stats.kv_pages_transferred + engine.transfers.reused_pages == pages
+    assert stats.kv_pages_transferred <= pages
+    assert stats.kv_pages_transferred + engine.transfers.reused_pages >= pages
     assert stats.kv_bytes_transferred == stats.kv_pages_transferred * 2 * heads * 8 * per_token
 
 
