@@ -33,19 +33,11 @@ if "jax" not in sys.modules:  # virtual devices must be set before jax starts
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_host_tier import load  # noqa: E402  (tiny | smollm2 | a checkpoint path)
 
-import jaxkv  # noqa: E402
 from jaxkv import Engine, SamplingParams  # noqa: E402
 from jaxkv.engine.disagg import DisaggregatedEngine  # noqa: E402
 from jaxkv.sharding import make_mesh  # noqa: E402
-
-
-def load(name: str):
-    if name == "tiny":
-        return jaxkv.load_default(), "embedded tiny model"
-    if name == "smollm2":
-        return jaxkv.load_pretrained("smollm2"), "SmolLM2-135M-Instruct (Q4_1 GGUF)"
-    return jaxkv.load_pretrained(name), name
 
 
 def serve(engine, prompts, sp) -> dict:

@@ -91,11 +91,6 @@ def run_trace(model, trace, engine) -> tuple[dict, set]:
 def check_trace(model, trace):
     engine = disaggregated(model)
     finished, aborted = run_trace(model, trace, engine)
-    for side in (engine.prefill, engine.decode):  # idle: only prefix caches hold pages
-        stats = side.stats()
-        assert stats.kv_pages_used == 0
-        assert stats.kv_pages_cached + stats.kv_pages_free == stats.kv_pages_total
-    assert not engine.prefill.scheduler.handoffs and not engine.decode.scheduler.arrivals
     # every request that finished past its first token decoded on the decode side
     assert engine.transfers.requests >= sum(r["max_tokens"] > 1 for r in trace
                                             if r["rid"] not in aborted)
@@ -111,17 +106,26 @@ def check_trace(model, trace):
     return engine
 
 
+def leftovers(engine) -> tuple[int, int, int, int]:
+    """Once idle: (pages in use on either side, pages neither cached nor free, hand-offs
+    held, arrivals reserved); all 0 when nothing leaked."""
+    per = [side.stats() for side in (engine.prefill, engine.decode)]
+    return (sum(s.kv_pages_used for s in per),
+            sum(s.kv_pages_total - s.kv_pages_cached - s.kv_pages_free for s in per),
+            len(engine.prefill.scheduler.handoffs), len(engine.decode.scheduler.arrivals))
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_random_traces_match_colocated_and_keep_both_books(plain_model, trace):
-    check_trace(plain_model, trace)
+    assert leftovers(check_trace(plain_model, trace)) == (0, 0, 0, 0)
 
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_random_traces_match_colocated_and_keep_both_books_long(plain_model, trace):
-    check_trace(plain_model, trace)
+    assert leftovers(check_trace(plain_model, trace)) == (0, 0, 0, 0)
 
 
 def test_the_trace_shape_preempts_on_the_decode_side_and_makes_arrivals_wait(plain_model):

@@ -61,9 +61,10 @@ def test_roofline_step_is_the_slower_of_compute_and_memory():
     k = dict(f0=0.0, fT=2e9, fR=0.0, fA=0.0, bytes0=1e9, bT=0.0, bR=0.0, bC=1e5,
              peak_flops=1e15, bandwidth=1e12, overhead_s=1e-3)
     m = step_models.StepModel("r", 1, 10**6, 1.0, 0.0, roofline=k)
-    assert_allclose(m.step_time(1, 1, 0, 0), 1e-3 + 1e-3, rtol=1e-12, atol=0)  # 1 GB / 1 TB/s
-    assert_allclose(m.step_time(2000, 1, 0, 0), 1e-3 + 4e-3, rtol=1e-12, atol=0)  # 4 TFLOP
-    assert_allclose(m.step_time(1, 1, 20_000, 0), 1e-3 + 3e-3, rtol=1e-12, atol=0)  # + 2 GB KV
+    # overhead + the slower of FLOPs and bytes: 1 GB / 1 TB/s; 4 TFLOP; 1 GB + 2 GB of KV
+    assert_allclose(m.step_time(1, 1, 0, 0), desired=1e-3 + 1e-3, rtol=1e-12, atol=0)
+    assert_allclose(m.step_time(2000, 1, 0, 0), desired=1e-3 + 4e-3, rtol=1e-12, atol=0)
+    assert_allclose(m.step_time(1, 1, 20_000, 0), desired=1e-3 + 3e-3, rtol=1e-12, atol=0)
 
 
 def _decoder_and_intruder(config):

@@ -196,12 +196,12 @@ class DisaggregatedEngine:
             jax.block_until_ready([x.payload.parts for x in self._moving[0].sent])
         self._start_transfers()
         self._land()
-        for out in outputs:
+        outputs, self._pending = outputs + self._pending, []  # (aborts applied meanwhile)
+        for out in outputs:  # (collected here or by a `_drain`)
             if out.finished and self._where.get(out.request_id) != "move" and \
                     out.request_id not in self.prefill._requests and \
                     out.request_id not in self.decode._requests:
                 self._where.pop(out.request_id, None)
-        outputs, self._pending = outputs + self._pending, []  # aborts applied meanwhile
         return outputs
 
     def _first_done(self) -> list[Engine]:
@@ -233,13 +233,11 @@ class DisaggregatedEngine:
         self._apply_aborts()
         return outputs
 
-    def _drain(self) -> list[RequestOutput]:
-        """Collects every step in flight (before changing what they ran with)."""
-        outputs = []
+    def _drain(self) -> None:
+        """Collects every step in flight (before changing what they ran with); the next
+        `step` returns their outputs."""
         while self._flight:
-            outputs += self._collect(next(iter(self._flight)))
-        self._pending += outputs
-        return outputs
+            self._pending += self._collect(next(iter(self._flight)))
 
     def _take_handoffs(self) -> None:
         known = {id(t.handoff) for t in self._moving}
