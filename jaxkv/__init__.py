@@ -7,6 +7,17 @@ Quick use::
     jaxkv.generate(model, ["def fib(n):"], jaxkv.SamplingParams(temperature=0, max_tokens=32))
 """
 
+from jaxkv.config import (
+    CacheConfig,
+    DisaggConfig,
+    EngineConfig,
+    KVPoolPlan,
+    KVSpec,
+    ParallelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+)
+from jaxkv.engine.client import EngineClient
 from jaxkv.engine.disagg import DisaggregatedEngine
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.generate import generate, generate_no_cache, generate_with_stats
@@ -27,20 +38,29 @@ from jaxkv.sharding import make_mesh, shard
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "CacheConfig",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CompletionOutput",
+    "DisaggConfig",
     "DisaggregatedEngine",
     "Engine",
+    "EngineClient",
+    "EngineConfig",
     "EngineStats",
+    "KVPoolPlan",
+    "KVSpec",
     "KVStateError",
     "Logprob",
     "Model",
     "ModelConfig",
     "PagedKVState",
+    "ParallelConfig",
     "RequestOutput",
     "RequestOutputKind",
+    "RuntimeConfig",
     "SamplingParams",
+    "SchedulerConfig",
     "UnsupportedModelError",
     "generate",
     "generate_no_cache",

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import jax
 
+from jaxkv.config import ATTENTION_IMPLS
 from pallas_kernels.api import paged_decode_attention, ragged_paged_attention
 from pallas_kernels.tpu_block_sizes import sublane_tile
-
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu", "pallas-gpu",
-                   "pallas-tpu")
 
 
 def check_attention_impl(impl: str) -> str:

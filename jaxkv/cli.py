@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from jaxkv.cli_settings import add_engine_arguments, engine_settings
 from jaxkv.memory_cli import add_memory_parser
 
 DEMO_PROMPTS = (
@@ -34,8 +35,8 @@ def _add_chat_parser(subparsers) -> None:
                         "(default: embedded model)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(p, only=("page_size",))
     p.set_defaults(func=run_chat)
 
 
@@ -103,10 +104,7 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-                   help="KV pages' dtype: auto (the compute dtype) or quantized (default auto)")
+    add_engine_arguments(p, only=("page_size", "dtype", "kv_cache_dtype"))
     p.set_defaults(func=run_generate)
 
 
@@ -180,29 +178,15 @@ def _add_serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model argument)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-                   help="KV pages' dtype: auto (the compute dtype) or quantized (default auto)")
-    p.add_argument("--host-kv-cache-gib", type=float, default=0.0,
-                   help="host memory for prefix-cache pages evicted from the device (GiB)")
-    p.add_argument("--prefill-devices", default=None,
-                   help="prefill/decode disaggregation: device indices of the prefill engine, "
-                        "e.g. 0,1 (with --decode-devices)")
-    p.add_argument("--decode-devices", default=None,
-                   help="device indices of the decode engine, e.g. 2,3,4,5")
+    p.add_argument("--host-kv-cache-gib", type=float, default=None,
+                   help="host_kv_cache_bytes in GiB")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=argparse.SUPPRESS, help="the same as --no-enable-prefix-caching")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests accepted before answering 429")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every program before serving")
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=run_serve, settings=add_engine_arguments(p))
 
 
 def run_serve(args) -> int:
@@ -210,46 +194,15 @@ def run_serve(args) -> int:
     import jaxkv
     from jaxkv.server import serve
 
-    sides = _device_lists(args.prefill_devices, args.decode_devices)
-    llm = jaxkv.LLM(args.model, dtype=args.dtype, page_size=args.page_size,
-                    num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    enable_prefix_caching=not args.no_prefix_caching,
-                    tensor_parallel_size=args.tensor_parallel_size,
-                    data_parallel_size=args.data_parallel_size,
-                    kv_cache_dtype=args.kv_cache_dtype,
-                    host_kv_cache_bytes=int(args.host_kv_cache_gib * 2**30), **sides)
+    settings = engine_settings(args, args.settings)
+    if args.host_kv_cache_gib is not None:
+        settings["host_kv_cache_bytes"] = int(args.host_kv_cache_gib * 2**30)
+    llm = jaxkv.LLM(args.model, **settings)
     if not args.no_warmup:
         llm.engine.warmup()
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
           host=args.host, port=args.port, max_pending=args.max_pending)
     return 0
-
-
-def _device_lists(prefill: str | None, decode: str | None) -> dict:
-    """LLM arguments for --prefill-devices/--decode-devices: each side tensor parallel over
-    the devices it lists."""
-    if prefill is None and decode is None:
-        return {}
-    if prefill is None or decode is None:
-        raise ValueError("--prefill-devices and --decode-devices go together: pass both")
-    import jax
-
-    devices, out = jax.devices(), {}
-    for side, text in (("prefill", prefill), ("decode", decode)):
-        try:
-            ids = [int(x) for x in text.split(",")]
-        except ValueError:
-            raise ValueError(f"--{side}-devices: expected device indices like 0,1, got "
-                             f"{text!r}") from None
-        bad = [i for i in ids if not 0 <= i < len(devices)]
-        if bad or len(set(ids)) != len(ids):
-            raise ValueError(f"--{side}-devices: {text!r} must list distinct indices in "
-                             f"[0, {len(devices)})")
-        out[f"{side}_devices"] = [devices[i] for i in ids]
-        out[f"{side}_tensor_parallel_size"] = len(ids)
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxkv.config import KVSpec
 from jaxkv.errors import KVStateError
 from jaxkv.model.config import ModelConfig
 from pallas_kernels.quant import (
@@ -89,12 +90,16 @@ class PagedKVState:
     quantized = property(lambda self: self.kv_scales is not None)
 
 
+def kv_spec(config: ModelConfig, dtype) -> KVSpec:
+    """The KV bytes of ``config``'s tokens in pages of ``dtype`` (storage dtype)."""
+    scale = jnp.dtype(SCALE_DTYPE).itemsize if is_quantized(dtype) else 0
+    return KVSpec(config.num_layers, config.num_kv_heads, config.head_dim,
+                  jnp.dtype(dtype).itemsize, scale)
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
     """Bytes of KV one token takes in pages of ``dtype``, scales included (all layers)."""
-    per_head = 2 * config.head_dim * jnp.dtype(dtype).itemsize
-    if is_quantized(dtype):
-        per_head += jnp.dtype(SCALE_DTYPE).itemsize
-    return config.num_layers * config.num_kv_heads * per_head
+    return kv_spec(config, dtype).bytes_per_token
 
 
 def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,

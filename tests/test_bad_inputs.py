@@ -86,7 +86,7 @@ def _state_step(ctx, state):
     engine = ctx.engine
     batch = build_batch([Row(0, GOOD, 0, [0])], PageTable(engine.max_num_seqs, 8, 8, 16),
                         tokens_bucket=16)
-    keys, arrays = engine._sampling([])
+    keys, arrays = engine.runner.sampling([])
     engine.steps.step(ctx.model.params, state, batch, keys, arrays)
 
 

@@ -86,9 +86,9 @@ def test_programs_update_the_pool_in_place(tiny_model):
     engine = Engine(tiny_model, page_size=16, num_pages=16384, max_num_seqs=8,
                     max_model_len=512, max_num_batched_tokens=64)
     pool = engine.state.kv_pages.size * engine.state.kv_pages.dtype.itemsize
-    keys, arrays = engine._sampling([])
+    keys, arrays = engine.runner.sampling([])
     step = engine.steps.step.lower(engine.model.params, engine.state,
-                                   padding_batch(64, engine.page_table), keys, arrays)
+                                   padding_batch(64, engine.runner.page_table), keys, arrays)
     loop = engine.steps.decode_loop.lower(engine.model.params, engine.state,
                                           idle_decode_loop(engine, 8))
     for lowered in (step, loop):
@@ -111,13 +111,13 @@ def test_pipelined_loops_abort_and_admission(tiny_model, tiny_config):
     for _ in range(3):
         engine.step()
         engine.check()
-    assert engine._inflight is not None  # a continuation was dispatched ahead
+    assert engine.loop_in_flight() is not None  # a continuation was dispatched ahead
     engine.abort("r1")
     engine.check()
     engine.add_request("r2", prompt_token_ids=prompts[2], sampling_params=sp)
     engine.step()
     engine.step()
-    assert engine._requests["r2"].samples[0].status.value == "running"
+    assert engine.get_request("r2").samples[0].status.value == "running"
     final = drive(engine)
     assert final["r0"].outputs[0].token_ids == alone["r0"][0][0]
     assert final["r2"].outputs[0].token_ids == alone["r2"][0][0]
@@ -140,13 +140,13 @@ def test_a_failed_continuation_fails_only_requests_still_running(tiny_model, tin
     finished = {}
     while "a" not in finished:
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert engine._inflight is not None and any(
-        r.request.request_id == "a" for r in engine._inflight.plan.decode_rows)
+    assert engine.loop_in_flight() is not None and any(
+        r.request.request_id == "a" for r in engine.loop_in_flight().plan.decode_rows)
     engine.add_request("a", prompt_token_ids=[5, 6, 7], sampling_params=short)  # id reused
 
     def broken():
         raise RuntimeError("device lost")
-    engine._inflight.read = broken
+    engine.loop_in_flight().read = broken
     outs = {o.request_id: o for o in engine.step()}
     assert outs["b"].finished and outs["b"].outputs[0].finish_reason == "error"
     assert "a" not in outs  # the new "a" never ran in that loop: untouched

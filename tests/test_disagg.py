@@ -7,6 +7,8 @@ logits (prefill chunks differ between the two, and logits differ in their last b
 step shapes; see tests/test_determinism.py).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -191,12 +193,12 @@ def _stuck_handoff(model):
     engine.add_request("long", prompt_token_ids=list(range(4, 12)),
                        sampling_params=SamplingParams(temperature=0, max_tokens=200,
                                                       ignore_eos=True))
-    while engine._where["long"] != "decode":
+    while engine.location("long") != "decode":
         engine.step()
     engine.add_request("next", prompt_token_ids=list(range(30, 52)),
                        sampling_params=SamplingParams(temperature=0, max_tokens=4,
                                                       ignore_eos=True))
-    while engine._where["next"] == "prefill":
+    while engine.location("next") == "prefill":
         engine.step()
         engine.check()
     return engine
@@ -356,7 +358,7 @@ def test_update_params_swaps_both_sides_recomputes_transfers_and_compiles_nothin
     monkeypatch.undo()
     engine.update_params(plain_model.params)  # version 2: the first weights again
     engine.check()
-    assert not engine.decode.scheduler.arrivals and not engine._moving
+    assert not engine.decode.scheduler.arrivals and not engine.num_in_transfer()
     moved = drive(engine)["moving"].outputs[0]
     assert moved.weight_versions == [1] + [2] * 5
     first = moved.token_ids[0]
@@ -385,7 +387,7 @@ def test_both_engines_keep_stepping_while_a_transfer_is_in_flight(plain_model, m
     engine = disaggregated(plain_model, lockstep=True)
     engine.add_request("c", prompt_token_ids=list(range(4, 12)), sampling_params=SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))
-    while engine._where["c"] != "decode":
+    while engine.location("c") != "decode":
         engine.step()
     monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)  # a slow link
     engine.add_request("a", prompt_token_ids=list(range(20, 40)), sampling_params=SamplingParams(
@@ -400,7 +402,7 @@ def test_both_engines_keep_stepping_while_a_transfer_is_in_flight(plain_model, m
                 done[out.request_id] = out
         engine.check()
     # "a" and "b" were prefilled (first tokens out) and wait in flight; "c" decoded meanwhile.
-    assert engine._where["a"] == engine._where["b"] == "move"
+    assert engine.location("a") == engine.location("b") == "move"
     assert len(engine.decode.scheduler.arrivals) == 2 and progress["c"] > 1
     assert progress["a"] == progress["b"] == 1
     monkeypatch.undo()
@@ -463,13 +465,13 @@ def test_decode_steps_do_not_wait_for_a_prefill_step_in_flight(plain_model):
     engine = disaggregated(plain_model)
     engine.add_request("c", prompt_token_ids=list(range(4, 12)), sampling_params=SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True))
-    while engine._where["c"] != "decode":
+    while engine.location("c") != "decode":
         engine.step()
     gate, dispatch = {"open": False}, engine.prefill.dispatch
 
     def slow():  # the prefill engine's steps look unfinished while the gate is shut
-        outputs, plan, read, error = dispatch()
-        return outputs, plan, None if read is None else _Gated(read, gate), error
+        d = dispatch()
+        return d if d.read is None else dataclasses.replace(d, read=_Gated(d.read, gate))
 
     engine.prefill.dispatch = slow
     engine.add_request("a", prompt_token_ids=list(range(20, 60)),
@@ -478,7 +480,7 @@ def test_decode_steps_do_not_wait_for_a_prefill_step_in_flight(plain_model):
     seen = []
     for _ in range(3):  # a decode loop per step; the prefill step stays in flight
         seen += [len(o.outputs[0].token_ids) for o in engine.step() if o.request_id == "c"]
-        assert engine.prefill in engine._flight
+        assert engine.has_step_in_flight(engine.prefill)
         engine.check()
     assert len(seen) == 3 and seen[-1] > seen[0]
     gate["open"] = True
@@ -494,7 +496,7 @@ def test_a_failed_decode_step_that_loses_the_pool_recomputes_reserved_arrivals(
     shared = list(range(4, 20))  # 4 whole pages, cached on the decode side once "c" lands
     engine.add_request("c", prompt_token_ids=shared + [30, 31], sampling_params=SamplingParams(
         temperature=0, max_tokens=30, ignore_eos=True))
-    while engine._where["c"] != "decode":
+    while engine.location("c") != "decode":
         engine.step()
     monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)
     prompt = shared + list(range(40, 46))

@@ -58,7 +58,7 @@ def _reach(engine, phase, vocab):
     n = 3 if phase == "forked" else 1
     sp = SamplingParams(n=n, seed=5, max_tokens=12) if n > 1 else greedy(12)
     engine.add_request("x", prompt_token_ids=prompt, sampling_params=sp)
-    x = engine._requests["x"].samples
+    x = engine.get_request("x").samples
     if phase == "waiting":
         return x
     while True:

@@ -12,7 +12,7 @@ import pytest
 
 import jaxkv
 from jaxkv.engine import kv_budget as kb
-from jaxkv.engine.llm import _weights_to_place
+from jaxkv.engine.pool_plan import weights_to_place
 
 GiB = 2**30
 
@@ -48,9 +48,9 @@ def test_weights_still_on_the_host_count_against_the_device_budget(tiny_config):
     assert got.bytes == int(0.9 * 80 * GiB) - 9 * GiB - act
     model = jaxkv.random_model(tiny_config, seed=0)  # on jax.devices()[0]
     nbytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
-    assert _weights_to_place(model, jax.devices()[0], 2) == 0
+    assert weights_to_place(model, jax.devices()[0], 2) == 0
     on_host = dataclasses.replace(model, params=jax.tree.map(np.asarray, model.params))
-    assert _weights_to_place(on_host, jax.devices()[0], 2) == nbytes // 2
+    assert weights_to_place(on_host, jax.devices()[0], 2) == nbytes // 2
 
 
 @pytest.mark.parametrize("fraction", [0, 1.5, "0.9"])
@@ -76,7 +76,7 @@ def test_cpu_default_is_capped_by_ram_and_by_what_sequences_can_use(caplog):
 
 def test_max_model_len_defaults_to_what_a_small_pool_holds():
     llm = jaxkv.LLM(jaxkv.load_default(), num_pages=8)
-    assert llm.kv_pool["max_model_len"] == 8 * 16
+    assert llm.kv_pool.max_model_len == 8 * 16
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(prompt_token_ids=[list(range(3, 200))],
                      sampling_params=jaxkv.SamplingParams(max_tokens=4), use_tqdm=False)

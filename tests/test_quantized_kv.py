@@ -194,12 +194,12 @@ def test_pool_sizing_counts_the_scales(tiny_model):
     budget = 2**22
     llm = LLM(tiny_model, kv_cache_memory_bytes=budget, kv_cache_dtype="int8")
     # Whole rows of scale words: pages of 16 tokens pack 8 pages' words to a row.
-    assert llm.kv_pool["pages"] == budget // (16 * per_token) // 8 * 8
+    assert llm.kv_pool.pages == budget // (16 * per_token) // 8 * 8
     assert llm.engine.state.kv_pages.dtype == jnp.int8
     fp32 = LLM(tiny_model, kv_cache_memory_bytes=budget)
-    assert fp32.kv_pool["bytes_per_token"] == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    assert fp32.kv_pool.bytes_per_token == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     # head_dim 16: 128 bytes of f32 per kv head and token against 32 + 4 of int8
-    assert llm.kv_pool["pages"] / fp32.kv_pool["pages"] == pytest.approx(128 / 36, rel=1e-2)
+    assert llm.kv_pool.pages / fp32.kv_pool.pages == pytest.approx(128 / 36, rel=1e-2)
 
 
 def _serve(engine, requests):

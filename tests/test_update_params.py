@@ -100,7 +100,7 @@ def _mid_decode(engine, sp):
     unread); returns its outputs so far."""
     engine.add_request("r", prompt_token_ids=LONG, sampling_params=sp)
     outs = {}
-    while engine._inflight is None:
+    while engine.loop_in_flight() is None:
         for out in engine.step():
             outs.setdefault(out.request_id, []).append(out)
         engine.check()
@@ -124,7 +124,7 @@ def test_restart_recomputes_in_flight_requests_under_the_new_weights(models):
     k = engine.scheduler.running[0].num_output_tokens  # read and reported so far
     preemptions = engine.stats().preemptions
     engine.update_params(new, version="step-1")  # in_flight="restart"
-    assert engine._inflight is None and not engine.scheduler.running
+    assert engine.loop_in_flight() is None and not engine.scheduler.running
     toks, versions = _joined(run(engine, outs)["r"])
     # The first k tokens stand; the loop in flight (sampled by the old weights) is never
     # reported; the rest continue prompt + those k tokens under the new weights.
@@ -141,7 +141,7 @@ def test_keep_decodes_on_with_the_old_kv_and_records_each_tokens_weights(models)
     sp = greedy(30, output_kind=RequestOutputKind.DELTA)
     outs = _mid_decode(engine, sp)
     k = engine.scheduler.running[0].num_output_tokens
-    in_flight = engine._inflight.limits[0]  # tokens the loop in flight samples (no stop)
+    in_flight = engine.loop_in_flight().limits[0]  # tokens the loop in flight samples (no stop)
     engine.update_params(new, in_flight="keep")
     assert engine.scheduler.running[0].num_computed_tokens > len(LONG)  # its KV stayed
     engine.add_request("n", prompt_token_ids=LONG, sampling_params=greedy(30))
@@ -192,7 +192,7 @@ def test_bad_updates_are_named_and_change_nothing(models):
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
             engine.update_params(**kwargs)
-        assert engine.weight_version == 0 and engine._inflight is not None
+        assert engine.weight_version == 0 and engine.loop_in_flight() is not None
         assert running.num_computed_tokens == computed and running.pages == pages
         engine.check()
     done = run(engine, outs)["r"][-1].outputs[0]

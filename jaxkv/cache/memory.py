@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from jaxkv.config import KVSpec, cdiv
+
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4,
     "bfloat16": 2, "bf16": 2,
@@ -137,10 +139,14 @@ def resolve_model(name_or_path) -> ModelShape:
 def kv_bytes_per_token(shape: ModelShape, dtype: str = "bfloat16") -> int:
     """Key + value bytes one token occupies across all layers (scales included when
     ``dtype`` is a quantized KV dtype)."""
-    per_head = 2 * shape.head_dim * dtype_bytes(dtype)
-    if str(dtype).lower() in QUANTIZED:
-        per_head += SCALE_BYTES
-    return shape.num_layers * shape.num_kv_heads * per_head
+    return kv_spec(shape, dtype).bytes_per_token
+
+
+def kv_spec(shape: ModelShape, dtype: str = "bfloat16") -> KVSpec:
+    """The KV bytes of ``shape``'s tokens in pages of the dtype named ``dtype``."""
+    scale = SCALE_BYTES if str(dtype).lower() in QUANTIZED else 0
+    return KVSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_bytes(dtype),
+                  scale)
 
 
 def kv_bytes(shape: ModelShape, num_tokens: int, batch: int = 1, dtype: str = "bfloat16") -> int:
@@ -232,7 +238,7 @@ def plan_capacity(shape: ModelShape, hbm_bytes: int, *, dtype: str = "bfloat16",
     per_token = kv_bytes_per_token(shape, kv_dtype)
     weights = weight_bytes(shape, dtype)
     budget = max(0, int(hbm_bytes * gpu_memory_utilization) - weights)
-    pages = -(-avg_seq_len // page_size)
+    pages = cdiv(avg_seq_len, page_size)
     paged_tokens = pages * page_size
     return CapacityPlan(
         model=shape.name, dtype=dtype, hbm_bytes=int(hbm_bytes), weight_bytes=weights,
@@ -278,9 +284,9 @@ def plan_sharded(shape: ModelShape, tp: int, *, hbm_bytes: int, bandwidth: float
     norms = (2 * shape.num_layers + 1) * shape.hidden_size * b
     weights = (weight_bytes(shape, dtype) - norms) // tp + norms
     rep = max(1, tp // shape.num_kv_heads)
-    per_token = kv_bytes_per_token(shape, dtype if kv_dtype is None else kv_dtype) * rep // tp
+    per_token = kv_spec(shape, dtype if kv_dtype is None else kv_dtype).per_shard(tp)
     budget = max(0, int(hbm_bytes * utilization) - weights)
     tokens = budget // per_token // page_size * page_size
-    seqs = tokens // (-(-avg_seq_len // page_size) * page_size)
+    seqs = tokens // (cdiv(avg_seq_len, page_size) * page_size)
     return ShardedPlan(shape.name, tp, rep, weights, per_token, tokens, seqs,
                        (weights + tokens * per_token) / bandwidth, weights / bandwidth)

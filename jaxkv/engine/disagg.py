@@ -37,6 +37,7 @@ import time
 import jax
 
 from jaxkv.engine.engine import Engine
+from jaxkv.engine.outputs import RequestEntry, build_output
 from jaxkv.engine.request import EngineStats, RequestOutput, RequestStatus
 from jaxkv.engine.scheduler import Arrival, Handoff
 from jaxkv.runtime.batch import pow2
@@ -57,7 +58,7 @@ class _Sent:
 @dataclasses.dataclass
 class _Transfer:
     request_id: str
-    entry: object  # the engine's _Entry: prompt and sample streams
+    entry: RequestEntry  # prompt and sample streams
     handoff: Handoff
     sent: list[_Sent]  # runs streamed while it prefilled, then the rest at the reservation
     arrival: Arrival | None = None  # set once the decode side reserved pages
@@ -130,10 +131,10 @@ class DisaggregatedEngine:
         if isinstance(request_id, str) and request_id in self._where:
             raise ValueError(f"request_id {request_id!r} is already used by an unfinished "
                              "request")
-        ids = self.decode._prompt_ids(prompt, prompt_token_ids)
+        ids = self.decode.prompt_ids(prompt, prompt_token_ids)
         sp = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(sp, SamplingParams):
-            self.decode._check_fits(str(request_id), len(ids), sp)
+            self.decode.check_fits(str(request_id), len(ids), sp)
         self.prefill.add_request(request_id, prompt, prompt_token_ids, sampling_params,
                                  cache_salt)
         self._where[request_id] = "prefill"
@@ -150,7 +151,7 @@ class DisaggregatedEngine:
 
     def _apply_aborts(self) -> None:
         for rid in list(self._aborts):
-            engine = next((e for e in self.engines if rid in e._requests), None)
+            engine = next((e for e in self.engines if e.has_request(rid)), None)
             if engine is not None:
                 if engine in self._flight:
                     continue  # after its step is collected
@@ -172,11 +173,29 @@ class DisaggregatedEngine:
             if not s.is_done:
                 self.decode.scheduler.finish(s, "abort", now)
         self.transfers.aborted += 1
-        self._pending.append(self.decode._output(t.request_id, t.entry))
+        self._pending.append(build_output(t.request_id, t.entry))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._moving or self._flight) or self.prefill.has_unfinished_requests() \
             or self.decode.has_unfinished_requests()
+
+    def num_running(self) -> int:
+        """Sample streams running on either engine, plus requests in transfer."""
+        return self.prefill.num_running() + self.decode.num_running() + len(self._moving)
+
+    def num_waiting(self) -> int:
+        return self.prefill.num_waiting() + self.decode.num_waiting()
+
+    def location(self, request_id: str) -> str | None:
+        """Where an unfinished request is: "prefill", "move" (in transfer) or "decode"."""
+        return self._where.get(request_id)
+
+    def num_in_transfer(self) -> int:
+        return len(self._moving)
+
+    def has_step_in_flight(self, engine: Engine) -> bool:
+        """True while ``engine`` (either side) has a dispatched step not collected yet."""
+        return engine in self._flight
 
     # ---- stepping ------------------------------------------------------------------------
 
@@ -187,7 +206,7 @@ class DisaggregatedEngine:
         their copies, arrived ones join the decode engine's batch."""
         outputs, self._pending = self._pending, []
         for e in self.engines:
-            if e not in self._flight and (e.has_unfinished_requests() or e._pending):
+            if e not in self._flight and e.has_work():
                 self._flight[e] = e.dispatch()
         if self._flight:
             for e in self._first_done():
@@ -199,8 +218,8 @@ class DisaggregatedEngine:
         outputs, self._pending = outputs + self._pending, []  # (aborts applied meanwhile)
         for out in outputs:  # (collected here or by a `_drain`)
             if out.finished and self._where.get(out.request_id) != "move" and \
-                    out.request_id not in self.prefill._requests and \
-                    out.request_id not in self.decode._requests:
+                    not self.prefill.has_request(out.request_id) and \
+                    not self.decode.has_request(out.request_id):
                 self._where.pop(out.request_id, None)
         return outputs
 
@@ -210,8 +229,7 @@ class DisaggregatedEngine:
         if self.lockstep:
             return list(self._flight)
         while True:
-            done = [e for e, (_, _, read, error) in self._flight.items()
-                    if error is not None or read is None or read.ready()]
+            done = [e for e, dispatched in self._flight.items() if dispatched.ready()]
             if done:
                 return done
             time.sleep(POLL_S)
@@ -244,11 +262,11 @@ class DisaggregatedEngine:
         for h in self.prefill.scheduler.handoffs:
             if id(h) not in known:
                 rid = h.seqs[0].request_id
-                entry = self.prefill._requests.pop(rid)
+                entry = self.prefill.take_request(rid)
                 self._moving.append(_Transfer(rid, entry, h, self._streams.pop(rid, []),
                                               started=time.time()))
                 self._where[rid] = "move"
-        for rid in [r for r in self._streams if r not in self.prefill._requests]:
+        for rid in [r for r in self._streams if not self.prefill.has_request(r)]:
             del self._streams[rid]  # finished at its first token, aborted or failed
 
     def _stream(self) -> None:
@@ -285,7 +303,7 @@ class DisaggregatedEngine:
         for seq in t.handoff.seqs:
             seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
             self.decode.scheduler.add(seq)
-        self.decode._requests[t.request_id] = t.entry
+        self.decode.adopt_request(t.request_id, t.entry)
         self._where[t.request_id] = "decode"
 
     def _start_transfers(self) -> None:
@@ -301,7 +319,7 @@ class DisaggregatedEngine:
             arrival = self.decode.scheduler.reserve_arrival(t.handoff)
             if arrival is None:
                 break
-            self.decode._transfer()  # host-tier copies the reservation queued run first
+            self.decode.run_cache_copies()  # host-tier copies the reservation queued run first
             k, n = arrival.num_shared, -(-t.handoff.num_tokens // s)
             have = {i for x in t.sent for i in x.index}
             rest = [i for i in range(k, n) if i not in have]
@@ -323,7 +341,7 @@ class DisaggregatedEngine:
                 self.transfers.pages += x.payload.num_pages
                 self.transfers.bytes += x.payload.nbytes
             self.decode.scheduler.land(t.arrival)
-            self.decode._requests[t.request_id] = t.entry
+            self.decode.adopt_request(t.request_id, t.entry)
             self._moving.remove(t)
             self._where[t.request_id] = "decode"
             self.transfers.requests += 1

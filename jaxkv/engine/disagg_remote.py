@@ -2,7 +2,7 @@
 `Engine` in another, the KV pages moving between them over `jaxkv.runtime.kv_remote.KVPeer`.
 
 The single-process `DisaggregatedEngine` (`jaxkv.engine.disagg`) split in two: the same
-scheduler hand-off (`Scheduler._hand_off`, `reserve_arrival`, `land`, `cancel_arrival`,
+scheduler hand-off (`Scheduler.handoffs`, `reserve_arrival`, `land`, `cancel_arrival`,
 `release_handoff`) and the same page payloads (`kv_transfer.export_pages` / `import_pages`),
 coordinated by pickled dicts over a `multiprocessing.connection` channel ("link"):
 
@@ -70,7 +70,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.engine.detokenizer import IncrementalDetokenizer
-from jaxkv.engine.engine import Engine, _Entry
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.outputs import RequestEntry, build_output
 from jaxkv.engine.request import Request, RequestOutput, RequestStatus
 from jaxkv.engine.scheduler import Arrival, Handoff
 from jaxkv.runtime.batch import pow2
@@ -159,7 +160,7 @@ class _Side:
 
     def _step_engine(self) -> list[RequestOutput]:
         e = self.engine
-        return e.step() if e.has_unfinished_requests() or e._pending else []
+        return e.step() if e.has_work() else []
 
     def report(self) -> dict:
         """Stats, transfer counters and the result of `check` (for a front end or a test)."""
@@ -196,7 +197,7 @@ class PrefillWorker(_Side):
                              "request")
         d = self._other()
         sp = SamplingParams() if sampling_params is None else sampling_params
-        ids = self.engine._prompt_ids(prompt, prompt_token_ids)
+        ids = self.engine.prompt_ids(prompt, prompt_token_ids)
         if isinstance(sp, SamplingParams):  # (anything else: the engine says what is wrong)
             total = len(ids) + sp.max_tokens
             if total > d["max_model_len"] or -(-(total - 1) // d["page_size"]) > d["num_pages"]:
@@ -211,7 +212,7 @@ class PrefillWorker(_Side):
     def abort(self, request_id: str) -> None:
         """Aborts it here if the engine holds it, else frees its held pages (an offer made for
         it is still pulled by the decode side) and forwards the abort to the decode side."""
-        if request_id in self.engine._requests:
+        if self.engine.has_request(request_id):
             self.engine.abort(request_id)  # (the decode side never heard of it)
             return
         if self._drop_held(request_id):
@@ -286,7 +287,7 @@ class PrefillWorker(_Side):
 
     def _send_handoff(self, h: Handoff) -> None:
         rid = h.seqs[0].request_id
-        entry = self.engine._requests.pop(rid)
+        entry = self.engine.take_request(rid)
         first = entry.samples[0]
         samples = [dict({k: getattr(s, k) for k in _CARRIED}, status=s.status.value,
                         output_token_ids=s.output_token_ids) for s in entry.samples]
@@ -338,7 +339,7 @@ class _Incoming:
     """A request handed off to the decode side, until it lands or is aborted."""
 
     request_id: str
-    entry: _Entry
+    entry: RequestEntry
     handoff: Handoff  # its streams and token count (no pages on this side)
     arrival: Arrival | None = None
     pulls: list[tuple[Pull, np.ndarray]] | None = None  # started pulls and their pages
@@ -379,7 +380,7 @@ class DecodeWorker(_Side):
             if self.engine.radix is not None:  # entries those pages kept through the clear
                 self.engine.radix.clear()
         for rid in [r for r in self._known
-                    if r not in self._incoming and r not in self.engine._requests]:
+                    if r not in self._incoming and not self.engine.has_request(r)]:
             self._known.discard(rid)  # ended here (normally, aborted or failed)
             if self.link_open:
                 self.channel.send(dict(op="finished", request_id=rid))
@@ -411,7 +412,7 @@ class DecodeWorker(_Side):
         (finished already) are ignored."""
         t = self._incoming.pop(request_id, None)
         if t is None:
-            if request_id in self.engine._requests:
+            if self.engine.has_request(request_id):
                 self.engine.abort(request_id)
             return
         self._end(t, "abort")
@@ -436,7 +437,7 @@ class DecodeWorker(_Side):
         for s in t.entry.samples:
             if not s.is_done:
                 self.engine.scheduler.finish(s, reason, now)
-        self._pending.append(self.engine._output(t.request_id, t.entry))
+        self._pending.append(build_output(t.request_id, t.entry))
 
     @staticmethod
     def _drained(pull: Pull) -> bool:
@@ -458,7 +459,7 @@ class DecodeWorker(_Side):
         for seq in t.handoff.seqs:
             seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
             self.engine.scheduler.add(seq)
-        self.engine._requests[rid] = t.entry
+        self.engine.adopt_request(rid, t.entry)
         self.counters["recomputed"] += 1
 
     def _rebuild(self, msg: dict) -> _Incoming:
@@ -475,7 +476,7 @@ class DecodeWorker(_Side):
             s.status = RequestStatus(d["status"])
             samples.append(s)
         going = [s for s in samples if s.status is RequestStatus.TRANSFERRING]
-        return _Incoming(msg["request_id"], _Entry(msg["prompt"], samples),
+        return _Incoming(msg["request_id"], RequestEntry(msg["prompt"], samples),
                          Handoff(going, [], msg["num_tokens"]))
 
     def _reserve(self) -> None:
@@ -489,7 +490,7 @@ class DecodeWorker(_Side):
             arrival = self.engine.scheduler.reserve_arrival(t.handoff)
             if arrival is None:
                 break
-            self.engine._transfer()  # host-tier copies the reservation queued run first
+            self.engine.run_cache_copies()  # host-tier copies the reservation queued run first
             t.arrival = arrival
             self.channel.send(dict(op="reserve", request_id=t.request_id,
                                    first=arrival.num_shared, shards=self._wire()[2]))
@@ -545,7 +546,7 @@ class DecodeWorker(_Side):
                 self._fail(t.request_id, f"{type(e).__name__}: {e}", e)
                 continue
             self.engine.scheduler.land(t.arrival)
-            self.engine._requests[t.request_id] = t.entry
+            self.engine.adopt_request(t.request_id, t.entry)
             del self._incoming[t.request_id]
             if t.pulls:
                 self.channel.send(dict(op="landed", request_id=t.request_id))

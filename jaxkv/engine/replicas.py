@@ -21,7 +21,7 @@ from jaxkv.sampling_params import SamplingParams
 
 
 class ReplicatedEngine:
-    """The `Engine` API (add_request, step, abort, ...) over several replicas."""
+    """The `EngineClient` API (add_request, step, abort, ...) over several replicas."""
 
     def __init__(self, replicas: list[Engine], *, cache_threshold: float = 0.5,
                  balance_slack: int = 4):
@@ -41,7 +41,7 @@ class ReplicatedEngine:
         """The replica for a prompt: longest cached prefix, else least loaded."""
         def load(i):
             e = self.replicas[i]
-            return len(e._requests), e.stats().kv_pages_used, i
+            return e.num_unfinished(), e.stats().kv_pages_used, i
 
         hits = [e.radix.cached_length(prompt_ids[:-1],  # device and host tiers
                                       cache_namespace(cache_salt, e.weight_version))
@@ -64,7 +64,7 @@ class ReplicatedEngine:
                              "request")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be None or a string, got {cache_salt!r}")
-        ids = self.replicas[0]._prompt_ids(prompt, prompt_token_ids)  # validates the prompt
+        ids = self.replicas[0].prompt_ids(prompt, prompt_token_ids)  # validates the prompt
         i = self.route(ids, cache_salt)
         self.replicas[i].add_request(request_id, prompt, prompt_token_ids, sampling_params,
                                      cache_salt)
@@ -78,19 +78,29 @@ class ReplicatedEngine:
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work: every replica's device work is dispatched
         before any replica's tokens are read back, so the replicas compute at the same time."""
-        busy = [e for e in self.replicas if e.has_unfinished_requests() or e._pending]
+        busy = [e for e in self.replicas if e.has_work()]
         outputs = []
         for e, dispatched in [(e, e.dispatch()) for e in busy]:
             outputs += e.collect(dispatched)
         for out in outputs:  # (an aborted id may already be reused: keep the new mapping)
             i = self._where.get(out.request_id)
             if out.finished and i is not None and \
-                    out.request_id not in self.replicas[i]._requests:
+                    not self.replicas[i].has_request(out.request_id):
                 del self._where[out.request_id]
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
+
+    def num_running(self) -> int:
+        return sum(e.num_running() for e in self.replicas)
+
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting() for e in self.replicas)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
 
     def warmup(self) -> int:
         return sum(e.warmup() for e in self.replicas)

@@ -18,13 +18,13 @@ import numpy as np
 
 from jaxkv.runtime.batch import padding_batch
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
-from jaxkv.runtime.sampling import sample, token_logprobs
+from jaxkv.runtime.sampling import sample, sample_keys, token_logprobs
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
 from jaxkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def engine_programs(engine) -> list[tuple[str, int]]:
-    """(kind, size) of every program ``engine`` can run."""
+    """(kind, size) of every program ``engine`` (an engine's `ModelRunner`) can run."""
     progs = [("step", t) for t in engine.token_buckets]
     if engine.steps.max_decode_steps > 1:
         progs += [("decode_loop", r) for r in engine.row_buckets]
@@ -60,7 +60,7 @@ def _precompile(engine, progs) -> None:
     the GIL while it compiles, and a compiled program lands in the cache a later call of the
     same signature hits (the runs in `warmup` then compile nothing)."""
     params, state = engine.model.params, engine.state
-    keys, arrays = engine._sampling([])
+    keys, arrays = engine.sampling([])
 
     def compile_one(prog):
         kind, size = prog
@@ -80,12 +80,13 @@ def _precompile(engine, progs) -> None:
 
 
 def warmup(engine) -> int:
-    """Compiles every program of `engine_programs`; returns how many there are."""
+    """Compiles every program of `engine_programs` on ``engine`` (an engine's `ModelRunner`);
+    returns how many there are."""
     progs = engine_programs(engine)
     _precompile(engine, progs)
     for kind, size in progs:
         if kind == "step":
-            keys, arrays = engine._sampling([])
+            keys, arrays = engine.sampling([])
             tokens, logits, _, engine.state = engine.steps.step(
                 engine.model.params, engine.state, padding_batch(size, engine.page_table),
                 keys, arrays)
@@ -114,6 +115,6 @@ def warmup(engine) -> int:
                                     [("load", [0] * size, [engine.num_pages] * size)])
             pool.discard()
             pool.saved_pages = pool.loaded_pages = 0
-    engine._sample_keys(SamplingParams(n=2), 0)  # the per-request key derivation
+    sample_keys(0, SamplingParams(n=2), 0)  # the per-request key derivation
     jax.block_until_ready(engine.state)
     return len(progs)

@@ -87,6 +87,16 @@ def request_key(seed: int, sample_index: int = 0) -> np.ndarray:
     return np.asarray(jax.random.key_data(key), np.uint32)
 
 
+def sample_keys(engine_seed: int, sp, index: int) -> list[np.ndarray]:
+    """The raw keys of a request's ``sp.n`` samples: as `jaxkv.generate` with ``sp.seed``,
+    else from the engine seed and the request's arrival index, so outputs never depend on
+    the batch a request lands in."""
+    if sp.seed is not None:
+        return [request_key(sp.seed, j) for j in range(sp.n)]
+    base = request_key(engine_seed, index)  # the whole 64-bit engine seed counts
+    return [np.asarray(jax.random.fold_in(base, j), np.uint32) for j in range(sp.n)]
+
+
 def _inverse_cdf(x, u):
     """Index drawn from softmax(x) per row (x f32[B, V], -inf = excluded; u f32[B] in [0, 1))."""
     b, v = x.shape

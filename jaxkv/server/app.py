@@ -52,28 +52,21 @@ def _bad_field(message: str) -> str | None:
 
 
 def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
-    """The app serving ``llm`` (a `jaxkv.LLM`): one engine loop thread for all connections."""
+    """The app serving ``llm`` (a `jaxkv.LLM`, whose engine is any `EngineClient`): one engine
+    loop thread for all connections."""
     engine, tokenizer = llm.engine, llm.model.tokenizer
     metrics = ServerMetrics(model_name)
     counter = itertools.count()
 
-    # the engines behind the front: data-parallel replicas, prefill and decode, or one
-    engines = getattr(engine, "engines", None) or getattr(engine, "replicas", [engine])
-
-    def scheduler_counts():  # requests in a prefill-to-decode transfer count as running
-        return (sum(len(e.scheduler.running) for e in engines)
-                + len(getattr(engine, "_moving", ())),
-                sum(len(e.scheduler.waiting) for e in engines))
-
-    def on_step(outputs, _seconds):
-        metrics.update(engine.stats(), *scheduler_counts())
+    def on_step(outputs, _seconds):  # (requests in a prefill-to-decode transfer: running)
+        metrics.update(engine.stats(), engine.num_running(), engine.num_waiting())
         for out in outputs:
             if out.finished:
                 metrics.finished(out)
 
     metrics.update(engine.stats(), 0, 0)
     core = AsyncEngine(engine, max_pending=max_pending, on_step=on_step)
-    max_len = getattr(engine, "max_model_len", engines[0].max_model_len)
+    max_len = engine.max_model_len
     app = FastAPI(title="jaxkv", version="0.1.0")
     app.state.engine = core
 

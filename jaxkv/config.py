@@ -1,0 +1,316 @@
+"""Engine settings: one frozen, documented dataclass per concern, composed into `EngineConfig`.
+
+Each setting is one field with its default and, right under it, a docstring that is also the
+`jaxkv serve` flag's help (`jaxkv.config_cli`). `EngineConfig.from_kwargs` maps the flat
+keywords of `LLM(...)` and `Engine(...)` (``page_size=32``) onto the fields; an unknown keyword
+is an error naming it and the nearest field. Each config validates itself once, in
+``__post_init__``, with an error naming the field.
+
+Imports no jax: the host side (memory planning, the CLI) uses these too.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import numbers
+from collections.abc import Sequence
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu", "pallas-gpu",
+                   "pallas-tpu")
+MODEL_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _positive(owner: str, name: str, value, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
+
+
+def _one_of(owner: str, name: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}, got "
+                         f"{value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool and the prefix cache behind it."""
+
+    page_size: int = 16
+    """Tokens per KV page (every kernel reads whole pages; 16 fits every backend)."""
+    num_pages: int | None = None
+    """KV pages in the pool (per replica); default: sized from memory (kv_cache_memory_*)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes for the KV pool per replica, when num_pages is not given (default: a fraction of
+    the device's free memory, kv_cache_memory_fraction)."""
+    kv_cache_memory_fraction: float = 0.9
+    """Fraction of the device memory left after the weights and activations that the KV pool
+    takes (on CPU: of the available RAM, at most 2 GiB)."""
+    kv_cache_dtype: str = dataclasses.field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
+    """KV pages' dtype: auto (the compute dtype), int8 or fp8_e4m3 (quantized pages with a
+    scale per token and kv head: about half the bytes of bf16)."""
+    enable_prefix_caching: bool = True
+    """Keep finished prompts' KV in a radix prefix cache and reuse it for shared prefixes."""
+    host_kv_cache_bytes: int = 0
+    """Host memory (per replica) for prefix-cache pages the device pool evicts; a later hit
+    copies them back instead of recomputing them (0: no host tier)."""
+    debug_nan_freed_pages: bool = False
+    """Fill every freed page with NaN before the next step (a read of a stale page shows)."""
+
+    def __post_init__(self):
+        name = type(self).__name__
+        _positive(name, "page_size", self.page_size)
+        _positive(name, "num_pages", self.num_pages, optional=True)
+        _positive(name, "kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
+        f = self.kv_cache_memory_fraction
+        if not isinstance(f, numbers.Real) or isinstance(f, bool) or not 0 < f <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
+        _one_of(name, "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        h = self.host_kv_cache_bytes
+        if not isinstance(h, numbers.Integral) or isinstance(h, bool) or h < 0:
+            raise ValueError(f"{name}.host_kv_cache_bytes must be an int >= 0, got {h!r}")
+        if h and not self.enable_prefix_caching:
+            raise ValueError(f"{name}.host_kv_cache_bytes needs enable_prefix_caching=True (the "
+                             "host tier keeps prefix-cache entries)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: how many sequences and tokens one step holds."""
+
+    max_num_seqs: int = 32
+    """Running sequences at most (each sample of an n > 1 request counts); the rows of every
+    step."""
+    max_num_batched_tokens: int = 512
+    """Tokens of one step at most (decodes + prefill chunks): the largest token bucket."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); default: the model's context, or what the pool
+    holds if less."""
+    max_decode_steps: int | None = None
+    """Decode steps one decode loop runs on device between two host reads while nothing
+    waits (1: every step goes back to the host; default 8 on CPU, 1 on GPU/TPU)."""
+    async_scheduling: bool = True
+    """Dispatch the next decode loop before reading the current one, so host bookkeeping
+    overlaps device work."""
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field in ("max_num_seqs", "max_num_batched_tokens"):
+            _positive(name, field, getattr(self, field))
+        for field in ("max_model_len", "max_decode_steps"):
+            _positive(name, field, getattr(self, field), optional=True)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"{name}.async_scheduling must be a bool, got "
+                             f"{self.async_scheduling!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one engine spans and how many engines serve behind one front."""
+
+    tensor_parallel_size: int = 1
+    """Devices one engine's model and KV pages are split over, by head."""
+    data_parallel_size: int = 1
+    """Engine replicas behind one front (each request routed by cached prefix, else load)."""
+
+    def __post_init__(self):
+        for field in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation: prompts on one set of devices, decoding on another."""
+
+    prefill_devices: tuple | None = dataclasses.field(default=None,
+                                                      metadata={"cli": "devices"})
+    """Devices of the prefill engine (with decode_devices; on the CLI: indices, e.g. 0,1)."""
+    decode_devices: tuple | None = dataclasses.field(default=None, metadata={"cli": "devices"})
+    """Devices of the decode engine (on the CLI: indices, e.g. 2,3)."""
+    prefill_tensor_parallel_size: int | None = None
+    """Tensor-parallel size of the prefill engine (default: tensor_parallel_size)."""
+    decode_tensor_parallel_size: int | None = None
+    """Tensor-parallel size of the decode engine (default: tensor_parallel_size)."""
+
+    def __post_init__(self):
+        for field in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+        for field in ("prefill_devices", "decode_devices"):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, field, tuple(value))  # a list given: frozen as a tuple
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_devices is not None or self.decode_devices is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """The compiled programs: attention kernels, compute dtype, sampling seed."""
+
+    attention_impl: str = dataclasses.field(default="auto",
+                                            metadata={"choices": ATTENTION_IMPLS})
+    """Attention backend: auto (Pallas on GPU/TPU, the jnp reference on CPU), reference,
+    pallas, interpret (the GPU kernel in Pallas interpret mode, on CPU), interpret-tpu, or a
+    backend's kernel by name (pallas-gpu, pallas-tpu)."""
+    dtype: str = dataclasses.field(default="auto", metadata={"choices": MODEL_DTYPES})
+    """Compute dtype of a model loaded from a path: auto (float32 on CPU, the checkpoint's
+    bf16/fp32 on GPU/TPU), float32 or bfloat16."""
+    seed: int = 0
+    """Engine seed: the sampling keys of requests without their own SamplingParams.seed."""
+
+    def __post_init__(self):
+        name = type(self).__name__
+        _one_of(name, "attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _one_of(name, "dtype", self.dtype, MODEL_DTYPES)
+        s = self.seed
+        if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= s < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {s!r}")
+
+
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+             "disagg": DisaggConfig, "runtime": RuntimeConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting, by concern. Build from flat keywords with `from_kwargs`."""
+
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    disagg: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    @classmethod
+    def from_kwargs(cls, base: EngineConfig | None = None, /, **settings) -> EngineConfig:
+        """``base`` (default: all defaults) with the flat ``settings`` (``page_size=32``)
+        applied. Raises ValueError naming an unknown setting and the nearest known one."""
+        base = cls() if base is None else base
+        per: dict[str, dict] = {}
+        for key, value in settings.items():
+            section = field_sections().get(key)
+            if section is None:
+                raise ValueError(unknown_setting(key))
+            per.setdefault(section, {})[key] = value
+        return dataclasses.replace(base, **{
+            s: dataclasses.replace(getattr(base, s), **kw) for s, kw in per.items()})
+
+    def flat(self) -> dict:
+        """Every setting by its flat name (the inverse of `from_kwargs`)."""
+        return {f.name: getattr(getattr(self, s), f.name)
+                for s, c in _SECTIONS.items() for f in dataclasses.fields(c)}
+
+
+@functools.cache
+def field_sections() -> dict[str, str]:
+    """Flat setting name -> the EngineConfig section holding it."""
+    return {f.name: s for s, c in _SECTIONS.items() for f in dataclasses.fields(c)}
+
+
+def unknown_setting(key: str, known=None) -> str:
+    """The error for an unknown setting: its name and the nearest known one."""
+    known = sorted(field_sections() if known is None else known)
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown setting {key!r}{hint} (settings: {', '.join(known)})"
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (its documentation and its CLI
+    help), read from the class source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:], strict=False):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            docs[prev.target.id] = inspect.cleandoc(node.value.value)
+    return docs
+
+
+def config_fields():
+    """(section class, dataclass field, docstring) of every setting, in declaration order."""
+    for cls in _SECTIONS.values():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            yield cls, f, docs.get(f.name, "")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division of non-negative ints: pages holding ``a`` tokens at ``b`` per page."""
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """The bytes of KV one token and one page take: the one formula behind the memory
+    calculator, the pool planner and the stats.
+
+    Per token, layer and kv head: a key and a value of ``head_dim`` elements of
+    ``dtype_bytes`` each, plus (quantized pages) ``scale_bytes``: a bf16 key scale and a bf16
+    value scale."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    scale_bytes: int = 0  # 4 for int8/fp8 pages, 0 otherwise
+
+    @property
+    def bytes_per_token(self) -> int:
+        """All layers and kv heads of one token, scales included."""
+        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * self.dtype_bytes
+                                                     + self.scale_bytes)
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return self.bytes_per_token * page_size
+
+    def replicated(self, tensor_parallel_size: int) -> int:
+        """Bytes per token over all ``tensor_parallel_size`` devices that split the kv heads,
+        heads replicated when there are fewer heads than devices counted as stored."""
+        return self.bytes_per_token * max(1, tensor_parallel_size // self.num_kv_heads)
+
+    def per_shard(self, tensor_parallel_size: int) -> int:
+        """Bytes per token on each of ``tensor_parallel_size`` devices."""
+        return self.replicated(tensor_parallel_size) // tensor_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPoolPlan:
+    """The KV pool one engine gets (`jaxkv.LLM` sizes it; logged at INFO, kept in
+    ``LLM.kv_pool``)."""
+
+    pages: int  # pages in the pool (per replica)
+    page_size: int
+    kv_cache_dtype: str
+    bytes_per_token: int  # per replica: kv heads replicated for tensor parallelism count
+    max_model_len: int
+    source: str  # what sized it: num_pages, kv_cache_memory_bytes, device memory, host RAM
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+    @property
+    def full_sequences(self) -> int:
+        """Sequences of max_model_len tokens the pool holds at once."""
+        return self.tokens // self.max_model_len

@@ -1,0 +1,305 @@
+"""ModelRunner: the device half of an `Engine`: weights, KV state, page table and programs.
+
+The engine core decides what runs (its scheduler plans each step); the runner turns a plan
+into device work and hands back a `TokenRead`: page copies (prefix reuse, copy-on-write, the
+host tier's saves and loads), then one of two programs (`jaxkv.runtime.steps`):
+
+- a ragged ``step`` when any row has a prefill chunk: every scheduled row in one flattened
+  batch, each row's next token sampled on device (forks and logits processors sample again
+  from the same logits);
+- a ``decode_loop`` when only decodes run: up to ``max_decode_steps`` decode steps on device
+  with sampling and stop checks there, the tokens read back once. `continue_loop` dispatches
+  the next loop from the device's own outputs before the current one is read.
+
+Shapes: the step is one program per token bucket (powers of two from 16 to
+max_num_batched_tokens) with rows = slots (max_num_seqs) and the page table at its full width;
+the decode loop one per row bucket. Width costs nothing: the kernels and the jnp reference stop
+at each row's length. `programs` lists every program; `warmup` compiles them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxkv.attention import check_page_size, kernel_for
+from jaxkv.config import EngineConfig, cdiv
+from jaxkv.engine import logprobs
+from jaxkv.engine import warmup as compile_ahead
+from jaxkv.engine.host_tier import HostKVPool
+from jaxkv.engine.scheduler import ScheduledRow, SchedulerOutput
+from jaxkv.kv import init_state
+from jaxkv.model.pretrained import Model
+from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
+from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
+from jaxkv.runtime.processors import build_processors, has_processors, sample_processed
+from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample, token_logprobs
+from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
+from jaxkv.sampling_params import MAX_LOGPROBS
+from jaxkv.sharding import commit, shard, shard_state
+from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRead:
+    """Reads a dispatched program's tokens back: () -> (kind, tokens per row), kind "step"
+    or "loop". ``version``: the weights it was dispatched with, which sampled those tokens
+    (`Engine.update_params`)."""
+
+    fn: Callable[[], tuple[str, list]]
+    version: int | str
+    tokens: object = None  # the device arrays it reads (`ready` looks at them)
+
+    def __call__(self) -> tuple[str, list]:
+        return self.fn()
+
+    def ready(self) -> bool:
+        """True once the program has produced its tokens (reading them will not wait)."""
+        return all(x.is_ready() for x in jax.tree.leaves(self.tokens))
+
+
+@dataclasses.dataclass
+class LoopRun:
+    """A dispatched decode loop: its rows, the host's view of their inputs, its outputs."""
+
+    plan: SchedulerOutput  # the plan whose decode rows it runs
+    starts: list[int]  # position of each row's pending token at the loop's start
+    limits: list[int]  # tokens each row may sample in it
+    generated: list[int]  # output tokens of each row at its start
+    table: np.ndarray  # i32[R, W]: the page table it was given (host)
+    after: DecodeLoopBatch  # device: the inputs of a continuation
+    read: TokenRead  # () -> ("loop", tokens per row)
+
+
+class ModelRunner:
+    """Holds the device side of one engine and launches its programs.
+
+    ``mesh`` (`jaxkv.sharding.make_mesh`): tensor parallelism, the model and KV pages split
+    by head over its devices. The runner never allocates pages: every launch receives the
+    pages and positions its rows own (the host is the source of truth for which pages a slot
+    owns; the device for what is in them)."""
+
+    def __init__(self, model: Model, config: EngineConfig, *, num_pages: int,
+                 max_model_len: int, mesh=None):
+        cache, sched = config.cache, config.scheduler
+        if mesh is not None:  # tensor parallel: weights and KV pages split by head
+            model = shard(model, mesh)
+        else:  # committed, as update_params places new weights: the same programs run them
+            model = dataclasses.replace(model, params=commit(model.params))
+        impl, page_size = config.runtime.attention_impl, cache.page_size
+        try:
+            self.kv_dtype = storage_dtype(cache.kv_cache_dtype, model.dtype)
+            check_page_size(impl, page_size, self.kv_dtype)
+        except ValueError as e:
+            raise ValueError(f"Engine: {e}") from None
+        g = pages_per_scale_row(page_size)
+        if is_quantized(self.kv_dtype) and num_pages % g and kernel_for(impl) == "gpu":
+            _log.warning("num_pages=%d is not a multiple of %d (pages per row of scale words at "
+                         "page_size %d): the GPU kernels will copy the scales on every call; "
+                         "LLM sizes pools in whole rows", num_pages, g, page_size)
+        self.model, self.mesh, self.config = model, mesh, config
+        self.page_size, self.num_pages = page_size, num_pages
+        self.kv_cache_dtype = cache.kv_cache_dtype
+        self.max_num_seqs = max_num_seqs = sched.max_num_seqs
+        self.max_pages_per_seq = cdiv(max_model_len, page_size)
+        steps = sched.max_decode_steps
+        if steps is None:  # TPU/GPU loops are not proven yet (see docs/AOT.md)
+            steps = 8 if jax.default_backend() == "cpu" else 1
+        self.steps = make_steps(model.graphdef, impl, mesh, steps)
+        self.token_buckets = ladder(max(sched.max_num_batched_tokens, max_num_seqs))
+        self.row_buckets = tuple(sorted({min(4 ** i, max_num_seqs)
+                                         for i in range(max_num_seqs.bit_length())}
+                                        | {max_num_seqs}))
+        self.copy_buckets = tuple(sorted({8, max(8, pow2(2 * max_num_seqs))}))
+        self.page_table = PageTable(max_num_seqs, self.max_pages_per_seq, num_pages, page_size)
+        self.debug_nan_freed_pages = cache.debug_nan_freed_pages
+        self.state = self.new_state()
+        self.host_pool = self._host_pool(cache.host_kv_cache_bytes)
+        self.num_steps = 0  # device steps run (a loop's count as many as it ran)
+
+    def _host_pool(self, nbytes: int) -> HostKVPool | None:
+        if nbytes == 0:
+            return None
+        page = sum(x.nbytes for x in jax.tree.leaves(self.state)) // self.num_pages
+        if nbytes < page:
+            raise ValueError(f"Engine: host_kv_cache_bytes={nbytes} holds no page of {page} "
+                             "bytes")
+        return HostKVPool(self.state, nbytes // page, self.copy_buckets)
+
+    # ---- state and copies ----------------------------------------------------------------
+
+    def new_state(self):
+        """A zeroed KV state for this engine's pool."""
+        state = init_state(self.model.config, self.num_pages, self.page_size, self.model.dtype,
+                           self.kv_cache_dtype)
+        # Committed, like the params (`commit`): jit specializes on it, so a step's output
+        # state (committed) runs in the same programs as the first one.
+        return commit(state) if self.mesh is None else shard_state(state, self.mesh)
+
+    def state_lost(self) -> bool:
+        """True if the KV state is unusable: donated to a step that failed before returning
+        (deleted buffers), or the output of a step that failed on the device after returning
+        (an async error that surfaces when the arrays are read)."""
+        try:
+            if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+                return True
+            jax.block_until_ready(self.state)
+            return False
+        except Exception:  # noqa: BLE001 - whatever the device reports, the state is gone
+            return True
+
+    def run_host_copies(self, moves) -> None:
+        """Runs the host tier's queued copies (before anything reads or reuses those pages)."""
+        if self.host_pool is not None and moves:
+            self.state = self.host_pool.run(self.state, moves)
+
+    def copy_pages(self, copies) -> None:
+        """Device page copies (src, dst): prefix reuse of a partly matched page, copy-on-write."""
+        if copies:
+            self.state = copy_pages_padded(self.state, copies, self.copy_buckets)
+
+    def poison_pages(self, pages) -> None:
+        """Fills ``pages`` with NaN (debug_nan_freed_pages: a later read of them would show)."""
+        if pages:
+            self.state = fill_pages_padded(self.state, pages, float("nan"),
+                                           self.copy_buckets[-1])
+
+    def set_params(self, placed) -> None:
+        """Serves ``placed`` (already placed like the current params) from the next launch."""
+        self.model = dataclasses.replace(self.model, params=placed)
+
+    # ---- programs ------------------------------------------------------------------------
+
+    def stop_ids(self, seq) -> tuple[int, ...]:
+        return seq.sampling_params.stop_ids(self.model.config.eos_token_ids)
+
+    def sampling(self, seqs, rows: int | None = None) -> tuple[np.ndarray, SamplingArrays]:
+        """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""
+        b = self.max_num_seqs if rows is None else rows
+        keys = np.zeros((b, 2), np.uint32)
+        temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
+        top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
+        banned = np.full((b, MAX_BANNED), -1, np.int32)
+        eos = self.model.config.eos_token_ids
+        for i, seq in seqs:
+            sp = seq.sampling_params
+            keys[i], step[i] = seq.key, seq.num_output_tokens
+            temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+            ids = sp.banned_ids(seq.num_output_tokens, eos)
+            banned[i, :len(ids)] = ids
+        return keys, SamplingArrays(temperature, top_k, top_p, step, banned)
+
+    def launch_step(self, rows: list[ScheduledRow], version) -> TokenRead:
+        """Dispatches one ragged step over ``rows``; the read gives, for each row, a list of
+        tokens per sample (None for a row still prefilling)."""
+        batch = build_batch(rows, self.page_table,
+                            tokens_bucket=fit(sum(len(r.tokens) for r in rows),
+                                              self.token_buckets),
+                            vocab_size=self.model.config.vocab_size)
+        keys, arrays = self.sampling([(r.slot, r.samples[0]) for r in rows if r.samples])
+        params = self.model.params
+        tokens, logits, hidden, self.state = self.steps.step(params, self.state, batch, keys,
+                                                             arrays)
+        self.num_steps += 1
+        drawn = [tokens]  # [sample][slot]: a forking row's samples 1..n-1 use the same logits
+        for k in range(max((len(r.samples) for r in rows), default=0)):
+            seqs = [(r.slot, r.samples[k]) for r in rows if len(r.samples) > k]
+            if k:
+                keys, arrays = self.sampling(seqs)
+                drawn.append(sample(logits, keys, arrays))
+            edits = [(i, q.token_ids, q.num_prompt_tokens, q.sampling_params, q.bad_words_ids)
+                     for i, q in seqs if has_processors(q.sampling_params)]
+            if edits:  # their rows draw again, from processed logits; the others keep theirs
+                procs = build_processors(edits, self.max_num_seqs)
+                drawn[k] = sample_processed(logits, keys, arrays, procs, drawn[k])
+        want = [any(s.logprobs is not None for r in rows for s in r.samples[k:k + 1])
+                for k in range(len(drawn))]
+        lps = [token_logprobs(logits, d, MAX_LOGPROBS) if w else None
+               for d, w in zip(drawn, want, strict=True)]
+        prompt_lps = logprobs.dispatch_prompt_logprobs(self.steps, params, rows,
+                                                       batch.cu_q_lens, hidden)
+        tokenizer = self.model.tokenizer
+
+        def read():
+            got = [np.asarray(d) for d in drawn]
+            for k, lp in enumerate(lps):
+                if lp is not None:
+                    logprobs.record_logprobs(rows, k, got[k], [np.asarray(x) for x in lp],
+                                             tokenizer)
+            if prompt_lps is not None:
+                logprobs.record_prompt_logprobs(*prompt_lps, tokenizer)
+            return "step", [[int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
+                            else None for r in rows]
+        return TokenRead(read, version, drawn)
+
+    def launch_loop(self, plan: SchedulerOutput, limits: list[int], n: int, version) -> LoopRun:
+        """Dispatches up to ``n`` decode steps of the plan's decode rows on device; row i may
+        sample ``limits[i]`` tokens (its pages are reserved for them)."""
+        rows = plan.decode_rows
+        width = fit(len(rows), self.row_buckets)
+        keys, arrays = self.sampling([(i, r.samples[0]) for i, r in enumerate(rows)], width)
+        tokens = np.zeros(width, np.int32)
+        positions = np.zeros(width, np.int32)
+        live = np.zeros(width, bool)
+        limit, generated = np.zeros(width, np.int32), np.zeros(width, np.int32)
+        min_tokens, max_tokens = np.zeros(width, np.int32), np.ones(width, np.int32)
+        stop_ids = np.full((width, MAX_STOP_IDS), -1, np.int32)
+        table = np.zeros((width, self.max_pages_per_seq), np.int32)
+        for i, r in enumerate(rows):
+            seq = r.request
+            sp = seq.sampling_params
+            self.page_table.update(r.slot, seq.pages, r.start, r.owner)
+            table[i] = self.page_table.table[r.slot]
+            tokens[i], positions[i], live[i], limit[i] = r.tokens[0], r.start, True, limits[i]
+            generated[i] = seq.num_output_tokens
+            min_tokens[i], max_tokens[i] = sp.min_tokens, sp.max_tokens
+            ids = self.stop_ids(seq)
+            stop_ids[i, :len(ids)] = ids
+        loop = DecodeLoopBatch(
+            tokens=tokens, positions=positions, page_table=table, live=live, limit=limit,
+            generated=generated, min_tokens=min_tokens, max_tokens=max_tokens,
+            stop_ids=stop_ids, keys=keys, temperature=arrays.temperature, top_k=arrays.top_k,
+            top_p=arrays.top_p, num_steps=np.int32(n))
+        return self._run_loop(plan, loop, [r.start for r in rows], limits,
+                              [r.request.num_output_tokens for r in rows], table, version)
+
+    def continue_loop(self, current: LoopRun, starts: list[int], limits: list[int],
+                      generated: list[int], n: int, version) -> LoopRun:
+        """Dispatches the continuation of ``current`` (whose tokens are not read yet): each
+        row's pending token, position and liveness come from the device; the caller reserved
+        pages for ``limits`` more tokens past ``starts``. A row that stopped on device stays
+        stopped."""
+        table = current.table.copy()  # rows hold the same slots as before
+        limit = np.zeros(table.shape[0], np.int32)
+        for i, row in enumerate(current.plan.decode_rows):
+            self.page_table.update(row.slot, row.request.pages, starts[i], row.owner)
+            table[i] = self.page_table.table[row.slot]
+            limit[i] = limits[i]
+        loop = current.after.replace(page_table=table, limit=limit, num_steps=np.int32(n))
+        return self._run_loop(current.plan, loop, starts, limits, generated, table, version)
+
+    def _run_loop(self, plan, loop: DecodeLoopBatch, starts, limits, generated, table,
+                  version) -> LoopRun:
+        out, after, self.state = self.steps.decode_loop(self.model.params, self.state, loop)
+        rows = len(plan.decode_rows)
+
+        def read():
+            got = np.asarray(out)
+            self.num_steps += int((got >= 0).any(axis=1).sum())
+            return "loop", [[int(t) for t in got[:, i] if t >= 0] for i in range(rows)]
+        return LoopRun(plan, starts, limits, generated, table, after,
+                       TokenRead(read, version, out))
+
+    def programs(self) -> list[tuple[str, int]]:
+        """Every program serving can run (see `jaxkv.engine.warmup.engine_programs`)."""
+        return compile_ahead.engine_programs(self)
+
+    def warmup(self) -> int:
+        """Compiles every program of `programs`; returns how many."""
+        return compile_ahead.warmup(self)
