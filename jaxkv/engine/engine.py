@@ -30,6 +30,8 @@ import numpy as np
 
 from jaxkv.attention import check_page_size, kernel_for
 from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.host_radix import HostTieredRadixCache
+from jaxkv.cache.prefix import NullPrefixCache
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine import logprobs, weights
 from jaxkv.engine import warmup as compile_ahead
@@ -194,9 +196,12 @@ class Engine:
         self.allocator = PageAllocator(num_pages, track_freed=debug_nan_freed_pages)
         self.state = self._new_state()
         self.host_pool = self._host_pool(host_kv_cache_bytes, enable_prefix_caching)
-        host_slots = None if self.host_pool is None else PageAllocator(self.host_pool.num_slots)
-        self.radix = RadixCache(self.allocator, page_size, host_slots) \
-            if enable_prefix_caching else None
+        if self.host_pool is not None:
+            self.radix = HostTieredRadixCache(self.allocator, page_size,
+                                              PageAllocator(self.host_pool.num_slots))
+        else:
+            self.radix = RadixCache(self.allocator, page_size) if enable_prefix_caching \
+                else NullPrefixCache()
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=page_size,
                                    max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -696,8 +701,7 @@ class Engine:
             outputs.append(self._output(rid, entry))
         if self._state_lost():
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
-            if self.radix is not None:
-                self.radix.clear()
+            self.radix.clear()
             if self.debug_nan_freed_pages:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.state = self._new_state()
@@ -759,8 +763,6 @@ class Engine:
             **self._host_stats())
 
     def _host_stats(self) -> dict:
-        if self.radix is None:
-            return {}
         r = self.radix.stats()
         out = dict(device_hit_tokens=r["hit_tokens"] - r["host_hit_tokens"])
         if self.host_pool is not None:
@@ -774,5 +776,4 @@ class Engine:
         """Asserts the host invariants: every page's refcount equals its holders (running
         sequences and prefix-cache references), and the radix tree's own invariants."""
         self.allocator.check(holders=self.scheduler.holders())
-        if self.radix is not None:
-            self.radix.check()
+        self.radix.check()
