@@ -125,8 +125,7 @@ def soak(engine: jaxkv.Engine, args) -> dict:
         step += 1
     seconds = time.perf_counter() - t0
     used = engine.stats().kv_pages_used
-    if engine.radix is not None:
-        engine.radix.clear()
+    engine.radix.clear()
     leaks = engine.num_pages - engine.allocator.num_free
     rss_end = rss_mb()  # before the re-runs below, which compile programs of their own
     mismatched = sum(jaxkv.generate(engine.model, [prompt], sp)[0] != tokens

@@ -1,9 +1,10 @@
-"""The host books against what every page would hold: the real Scheduler, RadixCache and
-PageAllocator drive a fake device that records, for every (page, offset), which sequence
-prefix's KV it holds (the salt and the tokens up to that position).
+"""The host books against what every page would hold: the real Scheduler, prefix cache
+(`NullPrefixCache`, `RadixCache` or `HostTieredRadixCache`) and PageAllocator drive a fake
+device that records, for every (page, offset), which sequence prefix's KV it holds (the salt
+and the tokens up to that position).
 
 After every step: every row reads, at each cached position, exactly its own prefix; every
-radix node's pages (device pages, or host slots for entries moved to the host tier) hold its
+radix entry's pages (device pages, or host slots for entries moved to the host tier) hold its
 tokens; the host tier's copies run in the order the cache queued them; page copies read their
 sources before anything is poisoned (the NaN debug mode: freed pages hold POISON); `check()`
 balances. Traces: page sizes
@@ -16,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.host_radix import HostTieredRadixCache
+from jaxkv.cache.prefix import NullPrefixCache
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine.request import Request, RequestStatus
 from jaxkv.engine.scheduler import Scheduler
@@ -64,19 +67,25 @@ class FakeDevice:
                     req.cache_namespace, tuple(req.token_ids[:pos + 1]))
 
     def check_radix(self, radix: RadixCache):
-        """Every node's pages hold the KV of its path's tokens (from its first page's start)."""
+        """Every entry's pages hold the KV of its path's tokens (from its first page's start)."""
         s = self.s
-        for salt, root in radix._roots.items():
-            stack = [(child, list(child.key)) for child in root.children.values()]
-            while stack:
-                node, path = stack.pop()
-                first = node.start // s
-                for pos in range(first * s, node.end):
-                    page = node.pages[pos // s - first]
-                    got = (self.host if node.host else self.pages)[page][pos % s]
-                    assert got == (salt, tuple(path[:pos + 1])), (
-                        f"radix node {node.id} position {pos}: page {page} holds {got}")
-                stack += [(c, path + list(c.key)) for c in node.children.values()]
+        for e in radix.entries():
+            first = e.start // s
+            for pos in range(first * s, len(e.tokens)):
+                page = e.pages[pos // s - first]
+                got = (self.pages if e.on_device else self.host)[page][pos % s]
+                assert got == (e.salt, e.tokens[:pos + 1]), (
+                    f"radix entry {e.tokens} from {e.start}, position {pos}: page {page} holds "
+                    f"{got}")
+
+
+def prefix_cache(alloc: PageAllocator, page_size: int, cache: bool = True, host_slots: int = 0):
+    """The prefix cache an Engine builds for these settings."""
+    if not cache:
+        return NullPrefixCache()
+    if host_slots:
+        return HostTieredRadixCache(alloc, page_size, PageAllocator(host_slots))
+    return RadixCache(alloc, page_size)
 
 
 @st.composite
@@ -113,8 +122,7 @@ def _run(trace):
     rng = random.Random(trace["seed"])
     s = trace["page_size"]
     alloc = PageAllocator(trace["num_pages"], track_freed=trace["poison"])
-    host = PageAllocator(trace["host"]) if trace.get("host") else None
-    radix = RadixCache(alloc, s, host) if trace["cache"] else None
+    radix = prefix_cache(alloc, s, trace["cache"], trace.get("host", 0))
     sched = Scheduler(alloc, radix, page_size=s, max_num_seqs=trace["max_seqs"],
                       max_num_batched_tokens=trace["budget"], eos_token_ids=(EOS,))
     device = FakeDevice(trace["num_pages"], s, trace.get("host", 0))
@@ -136,8 +144,7 @@ def _run(trace):
                     if not q.is_done:
                         sched.finish(q, "abort", 1.0)
         plan = sched.schedule()
-        if radix is not None:
-            device.transfer(radix)
+        device.transfer(radix)
         device.run(plan, alloc, trace["poison"])
         sampled = []
         for row in plan.rows:
@@ -152,8 +159,8 @@ def _run(trace):
             sampled.append(out)
         sched.update(plan, sampled, now=1.0)
         alloc.check(holders=sched.holders())
-        if radix is not None:
-            radix.check()
+        radix.check()
+        if trace["cache"]:
             device.check_radix(radix)
         if len(added) == len(trace["requests"]) and not sched.has_unfinished():
             break

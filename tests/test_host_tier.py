@@ -63,7 +63,8 @@ def test_an_aborted_request_leaks_nothing_in_either_tier(tiny_model):
     engine = Engine(tiny_model, host_kv_cache_bytes=2**20, **SHAPE)
     _conversations(engine, turns=1)
     assert engine.stats().host_kv_pages > 0
-    prompt = list(engine.radix._roots[None, 0].children.values())[0].key  # a cached history
+    prompt = next(e.tokens for e in engine.radix.entries()  # a cached history
+                  if e.salt == (None, 0) and e.start == 0)
     engine.add_request("x", prompt_token_ids=list(prompt) + [5, 6], sampling_params=GREEDY)
     engine.step()  # admitted: its history promoted from the host
     engine.abort("x")

@@ -18,6 +18,8 @@ from hypothesis.stateful import (
 )
 
 from jaxkv.cache.allocator import OutOfPagesError, PageAllocator
+from jaxkv.cache.host_radix import HostTieredRadixCache
+from jaxkv.cache.prefix import COUNTERS, SIZES, NullPrefixCache, PrefixCache
 from jaxkv.cache.radix import PrefixMatch, RadixCache
 
 
@@ -223,18 +225,53 @@ def test_check_catches_corruption():
 
 
 def test_host_bookkeeping_runs_without_jax():
-    """allocator.py and radix.py load by file path on the standard library alone."""
-    cache = Path(__file__).parents[1] / "jaxkv" / "cache"
+    """The allocator and the prefix caches import on the standard library alone (empty
+    packages stand in for jaxkv and jaxkv.cache, whose __init__ would import the engine)."""
+    root = Path(__file__).parents[1] / "jaxkv"
     code = (
-        "import importlib.util, sys\n"
-        "for name in ('allocator', 'radix'):\n"
-        f"    path = {str(cache)!r} + '/' + name + '.py'\n"
-        "    spec = importlib.util.spec_from_file_location(name, path)\n"
-        "    sys.modules[name] = importlib.util.module_from_spec(spec)\n"
-        "    spec.loader.exec_module(sys.modules[name])\n"
-        "assert not {'jax', 'numpy', 'jaxkv'} & set(sys.modules), sorted(sys.modules)\n")
+        "import sys, types\n"
+        f"for name, path in (('jaxkv', {str(root)!r}), ('jaxkv.cache', {str(root / 'cache')!r})):\n"
+        "    sys.modules[name] = types.ModuleType(name)\n"
+        "    sys.modules[name].__path__ = [path]\n"
+        "import jaxkv.cache.allocator, jaxkv.cache.host_radix, jaxkv.cache.prefix\n"
+        "assert not {'jax', 'numpy'} & set(sys.modules), sorted(sys.modules)\n"
+        "ours = sorted(m for m in sys.modules if m.startswith('jaxkv.'))\n"
+        "assert ours == ['jaxkv.cache', 'jaxkv.cache.allocator', 'jaxkv.cache.host_radix',\n"
+        "    'jaxkv.cache.prefix', 'jaxkv.cache.radix', 'jaxkv.cache.radix_node'], ours\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_prefix_cache_has_the_protocols_methods_and_stats_keys():
+    """The null, radix and host-tiered caches answer every `PrefixCache` method, and report
+    the same stats keys, so callers need no branch per implementation."""
+    alloc = PageAllocator(4)
+    caches = [NullPrefixCache(), RadixCache(alloc, 2),
+              HostTieredRadixCache(alloc, 2, PageAllocator(2))]
+    wanted = [n for n in (*vars(PrefixCache), *PrefixCache.__annotations__)
+              if not n.startswith("_")]
+    assert {"match_prefix", "promote", "take_transfers", "enabled", "version"} <= set(wanted)
+    for cache in caches:
+        missing = [n for n in wanted if not hasattr(cache, n)]
+        assert not missing, (type(cache).__name__, missing)
+        cache.check()
+    keys = [list(c.stats()) for c in caches]
+    assert keys[0] == keys[1] == keys[2] == [*COUNTERS, "hit_rate", *SIZES], keys
+    assert [c.enabled for c in caches] == [False, True, True]
+
+
+def test_the_null_cache_keeps_nothing():
+    """Prefix caching off: an insert takes no page reference, so the caller's free returns
+    the pages at once, and nothing ever matches."""
+    alloc, null = PageAllocator(4), NullPrefixCache()
+    pages = alloc.allocate(2)
+    assert null.insert([1, 2, 3], pages) == 0
+    alloc.free(pages)
+    assert alloc.num_free == 4 and null.held_pages() == []
+    m = null.match_prefix([1, 2, 3])
+    assert (m.num_tokens, m.pages) == (0, ()) and null.cached_length([1, 2, 3]) == 0
+    assert null.evict(4) == null.clear() == null.promote([1, 2, 3]) == 0
+    assert null.take_transfers() == [] and null.stats()["hit_tokens"] == 0
 
 
 # ---- stateful simulation ----------------------------------------------------------------

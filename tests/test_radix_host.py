@@ -2,10 +2,10 @@
 insert, LRU across both tiers, salts, clear(); and a multi-turn workload through the real
 Scheduler against the fake device of test_host_books, so every read is checked by content."""
 
-from test_host_books import EOS, FakeDevice
+from test_host_books import EOS, FakeDevice, prefix_cache
 
 from jaxkv.cache.allocator import PageAllocator
-from jaxkv.cache.radix import RadixCache
+from jaxkv.cache.host_radix import HostTieredRadixCache
 from jaxkv.engine.request import Request, cache_namespace
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.sampling_params import SamplingParams
@@ -13,7 +13,7 @@ from jaxkv.sampling_params import SamplingParams
 
 def _cache(device_pages=8, host_slots=8, page_size=4):
     alloc, host = PageAllocator(device_pages), PageAllocator(host_slots)
-    return alloc, host, RadixCache(alloc, page_size, host)
+    return alloc, host, HostTieredRadixCache(alloc, page_size, host)
 
 
 def _insert(alloc, radix, tokens, salt=None):
@@ -126,7 +126,7 @@ def _multi_turn(host_slots: int):
     Returns (prompt tokens computed, cache stats)."""
     s, pages = 4, 16
     alloc = PageAllocator(pages, track_freed=True)
-    radix = RadixCache(alloc, s, PageAllocator(host_slots) if host_slots else None)
+    radix = prefix_cache(alloc, s, host_slots=host_slots)
     sched = Scheduler(alloc, radix, page_size=s, max_num_seqs=2, max_num_batched_tokens=16,
                       eos_token_ids=(EOS,))
     device = FakeDevice(pages, s, host_slots)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.prefix import NullPrefixCache
 from jaxkv.cache.radix import RadixCache
 from jaxkv.engine.request import Request, RequestStatus
 from jaxkv.engine.scheduler import FCFS_QUEUE_LEN, MAX_SKIPS, Scheduler
@@ -17,7 +18,7 @@ TOKEN = 7  # every "sampled" token
 
 def make(num_pages=16, page_size=4, max_num_seqs=4, budget=16, cache=True):
     alloc = PageAllocator(num_pages)
-    radix = RadixCache(alloc, page_size) if cache else None
+    radix = RadixCache(alloc, page_size) if cache else NullPrefixCache()
     return Scheduler(alloc, radix, page_size=page_size, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=budget, eos_token_ids=(0,))
 
@@ -41,8 +42,7 @@ def step(sched):
     sampled = [[TOKEN] * len(r.samples) if r.samples else None for r in plan.rows]
     sched.update(plan, sampled, now=1.0)
     sched.allocator.check(holders=sched.holders())
-    if sched.radix is not None:
-        sched.radix.check()
+    sched.radix.check()
     used, cached = sched.page_usage()
     assert used + cached + sched.allocator.num_free == sched.allocator.num_pages
     return plan
@@ -64,8 +64,8 @@ def shape(plan):
 def test_host_bookkeeping_imports_no_jax():
     root = Path(__file__).resolve().parent.parent / "jaxkv"
     for rel in ("engine/scheduler.py", "engine/request.py", "engine/detokenizer.py",
-                "cache/allocator.py",
-                "cache/radix.py", "sampling_params.py"):
+                "cache/allocator.py", "cache/prefix.py", "cache/radix_node.py", "cache/radix.py",
+                "cache/host_radix.py", "sampling_params.py"):
         tree = ast.parse((root / rel).read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]

@@ -12,98 +12,59 @@ reference on the page of each page index start // S .. (end - 1) // S. When a bo
 inside a page, the parent and the child each hold a page for that index; the child's page has
 valid KV for the whole page up to its own end (it was copied from the parent's filled part, then
 extended), so a match takes each page index from the deepest matched node covering it. Unlike
-full-block caching (vLLM), a match may end anywhere, even mid-edge and mid-page.
+full-block caching (vLLM), a match may end anywhere, even mid-edge and mid-page. Callers insert
+tokens only once their pages hold the tokens' KV (the scheduler offers computed pages), so a
+node is on the device only once its pages hold its tokens, and a match reads what it matched.
 
-Host tier (optional, ``host_allocator``): when the device pool must evict, an LRU leaf whose
-pages only the cache holds is *demoted* instead of dropped: its pages are copied to slots of a
-host-memory pool and the node keeps the slots. A later query whose prefix runs into host nodes
-*promotes* them (`promote`): fresh device pages, contents copied back, no recomputation. Host
-nodes only ever hang below device nodes or other host nodes, never above a device node, so a
-device match is always a plain path from the root. The cache records each copy it needs in
-`transfers` (("save", device pages, host slots) or ("load", host slots, device pages)), in
-order; the engine carries them out before the step that reads or reuses those pages. When the
-host pool is full, its own LRU leaves are dropped: one LRU order across both tiers.
+This class keeps every entry on the device and drops evicted ones; the host-memory tier that
+keeps them instead is its subclass, `jaxkv.cache.host_radix.HostTieredRadixCache`, through the
+hooks marked below.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
+
+from jaxkv.cache.prefix import COUNTERS, PrefixMatch, Transfer
+from jaxkv.cache.radix_node import Node, RadixEntry, common_len, path_to_root
 
 if TYPE_CHECKING:  # only for annotations: this file runs on the standard library alone
     from jaxkv.cache.allocator import PageAllocator
 
-
-@dataclasses.dataclass(frozen=True)
-class PrefixMatch:
-    """The longest cached prefix of a query."""
-
-    num_tokens: int  # tokens matched, token-exact (may end inside a page)
-    pages: tuple[int, ...]  # page ids for page indices 0 .. ceil(num_tokens / S) - 1; the last
-    #                         is only partly valid when num_tokens % S != 0
-    handle: object = dataclasses.field(compare=False, repr=False)  # opaque: lock()/unlock()
-
-
-class _Node:
-    """One edge of the tree: tokens at positions [start, end) and their pages."""
-
-    __slots__ = ("key", "start", "pages", "children", "parent", "lock", "holds", "last_access",
-                 "id", "alive", "host")
-
-    def __init__(self, key: list[int], start: int, pages: list[int], parent: _Node | None,
-                 node_id: int):
-        self.key = key  # edge label: the tokens at positions start .. end - 1
-        self.start = start
-        self.pages = pages  # page ids for page indices start // S .. (end - 1) // S
-        self.children: dict[int, _Node] = {}  # keyed by the child's first token
-        self.parent = parent
-        self.lock = 0  # locks held on this node's handle or below it: not evictable if > 0
-        self.holds = 0  # locks held on this very node's handle
-        self.last_access = 0
-        self.id = node_id  # breaks LRU ties deterministically
-        self.alive = True  # False once evicted: a stale handle is an error
-        self.host = False  # pages are host-pool slots (demoted), not device pages
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
+__all__ = ["PrefixMatch", "RadixCache", "RadixEntry"]
 
 
 class RadixCache:
-    """Prefix cache: match_prefix / insert / lock / unlock / LRU evict, with its own page refs.
+    """Prefix cache on device pages: match_prefix / insert / lock / unlock / LRU evict, with
+    its own page refs (a `jaxkv.cache.prefix.PrefixCache`).
 
     The cache holds one allocator reference per (node, page) it stores; a page returns to the
-    free list only when the cache and every running request have dropped theirs. With a
-    ``host_allocator`` (slots of a host-memory pool), evicted entries move to the host tier.
+    free list only when the cache and every running request have dropped theirs.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int,
-                 host_allocator: PageAllocator | None = None):
+    enabled: ClassVar[bool] = True
+    _node_type: ClassVar[type[Node]] = Node
+
+    def __init__(self, allocator: PageAllocator, page_size: int):
         if not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"RadixCache: page_size must be a positive int, got {page_size!r}")
+            raise ValueError(f"{type(self).__name__}: page_size must be a positive int, got "
+                             f"{page_size!r}")
         self.allocator = allocator
-        self.host = host_allocator
-        self.transfers: list[tuple[str, list[int], list[int]]] = []  # see the module docstring
         self.page_size = page_size
-        self._roots: dict[Hashable, _Node] = {}  # a tree per namespace
+        self._roots: dict[Hashable, Node] = {}  # a tree per namespace
         self._ids = itertools.count()
         self._clock = 0
         self._cached_tokens = 0
         self._held_pages = 0
-        self._host_held = 0  # host-slot references held by host nodes
-        self._host_tokens = 0
-        self._stats = dict(query_tokens=0, hit_tokens=0, inserted_tokens=0, evicted_tokens=0,
-                           evicted_pages=0, host_hit_tokens=0, host_saved_pages=0,
-                           host_loaded_pages=0, host_evicted_tokens=0)
+        self._stats = dict.fromkeys(COUNTERS, 0)
         self.version = 0  # changes whenever entries are added or dropped: matches may differ
-        # Device nodes none of whose children is on the device (without a host tier: every
-        # non-root node without children), and host nodes without children, by id.
-        self._leaves: dict[int, _Node] = {}
-        self._host_leaves: dict[int, _Node] = {}
+        # Device nodes none of whose children is on the device (here: every non-root node
+        # without children), by id: the eviction candidates.
+        self._leaves: dict[int, Node] = {}
 
     def match_prefix(self, tokens: Sequence[int], salt: Hashable = None, *,
                      peek: bool = False) -> PrefixMatch:
@@ -126,23 +87,23 @@ class RadixCache:
                from_host: int = 0) -> None:
         """Counts a query of ``num_query_tokens`` answered by ``match`` (from a ``peek``), of
         which ``used`` tokens were reused (default: all matched), ``from_host`` of them brought
-        back from the host tier for it, and refreshes its path's recency: for a caller that
+        back from a host tier for it, and refreshes its path's recency: for a caller that
         peeks first and uses the match only if it can, so a query retried every step is
         counted once."""
-        if isinstance(match.handle, _Node) and match.handle.alive:
+        if isinstance(match.handle, Node) and match.handle.alive:
             self._touch(match.handle)
         self._stats["query_tokens"] += num_query_tokens
         self._stats["hit_tokens"] += match.num_tokens if used is None else used
         self._stats["host_hit_tokens"] += from_host
 
-    def _walk(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, int, list[int]]:
-        """(deepest matched node, tokens matched, page per page index)."""
+    def _walk(self, tokens: Sequence[int], node: Node) -> tuple[Node, int, list[int]]:
+        """(deepest matched node, tokens matched, page per page index), on the device only."""
         s, pos, pages = self.page_size, 0, []
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
-            if child is None or child.host:  # host nodes serve a match once promoted
+            if child is None or not self._on_device(child):
                 break
-            m = _common_len(child.key, tokens, pos)
+            m = common_len(child.key, tokens, pos)
             first, last = child.start // s, (child.start + m - 1) // s
             del pages[first:]  # the deeper node's page supersedes a straddled one
             pages.extend(child.pages[: last - first + 1])
@@ -151,11 +112,37 @@ class RadixCache:
                 break
         return node, pos, pages
 
+    def _descend(self, tokens: Sequence[int], node: Node) -> list[Node]:
+        """The nodes below ``node`` that a prefix of ``tokens`` runs through, in any tier; the
+        last one may match only partly."""
+        pos, path = 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            m = common_len(child.key, tokens, pos)
+            path.append(child)
+            node, pos = child, pos + m
+            if m < len(child.key):
+                break
+        return path
+
+    def cached_length(self, tokens: Sequence[int], salt: Hashable = None) -> int:
+        """How many leading tokens of ``tokens`` the cache holds in any tier (a look: no
+        recency change, no stats): what a router or the admission order should count as a
+        hit."""
+        root = self._roots.get(salt)
+        path = self._descend(tokens, root) if root is not None else []
+        if not path:
+            return 0
+        node = path[-1]
+        return node.start + common_len(node.key, tokens, node.start)
+
     def lock(self, handle: object) -> None:
         """Protects the handle's path from eviction until the matching unlock (nestable)."""
         node = self._live(handle)
         node.holds += 1
-        for n in _path(node):
+        for n in path_to_root(node):
             n.lock += 1
 
     def unlock(self, handle: object) -> None:
@@ -164,11 +151,11 @@ class RadixCache:
         if node.holds <= 0:
             raise ValueError("unlock: handle is not locked")
         node.holds -= 1
-        for n in _path(node):
+        for n in path_to_root(node):
             n.lock -= 1
 
-    def _live(self, handle: object) -> _Node:
-        if not isinstance(handle, _Node):
+    def _live(self, handle: object) -> Node:
+        if not isinstance(handle, Node):
             raise TypeError(f"not a RadixCache handle: {handle!r}")
         if not handle.alive:
             raise ValueError("stale handle: its node was evicted (lock right after matching)")
@@ -194,23 +181,22 @@ class RadixCache:
                 node = self._add_leaf(node, [int(t) for t in tokens[pos:]],
                                       [int(p) for p in pages[pos // s:(n - 1) // s + 1]])
                 break
-            m = _common_len(child.key, tokens, pos)
+            m = common_len(child.key, tokens, pos)
             if m < len(child.key):
                 if pos + m == n:  # a prefix of an existing edge: nothing new to cache
                     node = child
                     break
                 child = self._split(child, m)
-            if child.host:  # the caller computed the same KV again: keep its device pages
-                self._adopt(child, pages)
+            self._recomputed(child, pages)
             node, pos = child, pos + m
         self._touch(node)
         self._stats["inserted_tokens"] += added
         return added
 
-    def _add_leaf(self, parent: _Node, key: list[int], pages: list[int]) -> _Node:
+    def _add_leaf(self, parent: Node, key: list[int], pages: list[int]) -> Node:
         self.allocator.share(pages)  # all or nothing: a bad page id changes no state
         self.version += 1
-        leaf = _Node(key, parent.end, pages, parent, next(self._ids))
+        leaf = self._node_type(key, parent.end, pages, parent, next(self._ids))
         parent.children[key[0]] = leaf
         self._reindex(parent)
         self._reindex(leaf)
@@ -218,7 +204,7 @@ class RadixCache:
         self._held_pages += len(pages)
         return leaf
 
-    def _split(self, node: _Node, m: int) -> _Node:
+    def _split(self, node: Node, m: int) -> Node:
         """Cuts `node` after its first m tokens; returns the new upper half.
 
         The node object stays the lower half (keeping its children, handles and holds); the
@@ -227,32 +213,31 @@ class RadixCache:
         """
         s, mid = self.page_size, node.start + m
         first = node.start // s
-        upper = _Node(node.key[:m], node.start, node.pages[: (mid - 1) // s - first + 1],
-                      node.parent, next(self._ids))
-        upper.lock, upper.last_access, upper.host = node.lock, node.last_access, node.host
+        upper = self._node_type(node.key[:m], node.start,
+                                node.pages[: (mid - 1) // s - first + 1], node.parent,
+                                next(self._ids))
+        upper.lock, upper.last_access = node.lock, node.last_access
         if mid % s:
-            self._tier(node).share([node.pages[mid // s - first]])
-            if node.host:
-                self._host_held += 1
-            else:
-                self._held_pages += 1
+            self._share_cut_page(node, node.pages[mid // s - first])
         node.pages = node.pages[mid // s - first:]
         node.key, node.start, node.parent = node.key[m:], mid, upper
         upper.children[node.key[0]] = node
         upper.parent.children[upper.key[0]] = upper
         return upper
 
-    def evict(self, num_pages: int, *, demote: bool = True) -> int:
+    def evict(self, num_pages: int) -> int:
         """Drops least-recently-used unlocked leaves (or just their tails) until at least
         `num_pages` pages have returned to the free list, or nothing is evictable.
 
         A leaf (or the part of it) whose pages a running sequence still holds stays cached:
         evicting it would free nothing and lose the entry. (A leaf whose only page its parent
         also holds is dropped, freeing nothing yet: its parent then becomes evictable.)
-        With a host tier (and ``demote``), a whole leaf moves to host slots instead of being
-        dropped, while the host pool has (or can free) room. Returns the number of device pages
-        that became free.
+        Returns the number of device pages that became free.
         """
+        return self._evict(num_pages, keep=True)
+
+    def _evict(self, num_pages: int, *, keep: bool) -> int:
+        """`evict`; ``keep``: a tier behind the device may keep what leaves it (`_retire`)."""
         free_before = self.allocator.num_free
         heap = [(n.last_access, n.id, n) for n in self._leaves.values()
                 if n.lock == 0 and self._frees(n, len(n.pages) - 1)]
@@ -260,11 +245,10 @@ class RadixCache:
         freed = 0
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
-            if not leaf.alive or leaf.host or leaf.id not in self._leaves:
-                continue  # dropped or demoted as a host subtree meanwhile
+            if not leaf.alive or leaf.id not in self._leaves:
+                continue  # dropped, or moved off the device, meanwhile
             parent = leaf.parent
-            if not (demote and self.host is not None and self._demote(leaf)):
-                self._evict_leaf(leaf, num_pages - freed)
+            self._retire(leaf, num_pages - freed, keep)
             freed = self.allocator.num_free - free_before
             if (parent.parent is not None and parent.id in self._leaves and parent.lock == 0
                     and self._frees(parent, len(parent.pages) - 1)):
@@ -279,30 +263,27 @@ class RadixCache:
     def clear(self) -> int:
         """Evicts every unlocked entry no running sequence holds pages of (the whole cache once
         nothing runs): for when the pages' contents were lost, after the running sequences
-        were sent back to wait. Nothing is demoted (the device contents are lost); host entries
-        below a dropped device entry go with it, and so does the rest of the host tier (a copy
-        to it may not have run). Returns the number of pages that became free."""
-        freed = self.evict(self.allocator.num_pages, demote=False)
-        self.drop_host_tier()
-        self.transfers = []
-        return freed
+        were sent back to wait. Returns the number of pages that became free."""
+        return self._evict(self.allocator.num_pages, keep=False)
+
+    def promote(self, tokens: Sequence[int], salt: Hashable = None) -> int:
+        """0: every entry is on the device (no tier to bring entries back from)."""
+        return 0
 
     def drop_host_tier(self) -> None:
-        """Drops every host entry (when a copy to or from the host pool may not have run)."""
-        if self.host is None:
-            return
-        for node in list(self._nodes()):
-            if node.alive and not node.host:
-                for child in [c for c in node.children.values() if c.host]:
-                    self._drop_host_subtree(child)
+        """Nothing to drop: no entry is off the device."""
 
-    def _evict_leaf(self, leaf: _Node, need: int) -> None:
+    def take_transfers(self) -> list[Transfer]:
+        """No copy is ever queued: no entry leaves the device."""
+        return []
+
+    def _evict_leaf(self, leaf: Node, need: int) -> None:
         """Drops the leaf's pages from the tail until `need` pages are free; if that is not
         enough, drops the whole leaf. A tail cut keeps the leaf ending on a page boundary."""
         s, free_before = self.page_size, self.allocator.num_free
         self.version += 1
         first = leaf.start // s
-        while (len(leaf.pages) > 1 and not leaf.children  # host children start at its end
+        while (len(leaf.pages) > 1 and not leaf.children  # children start at its end
                and self.allocator.num_free - free_before < need
                and self._frees(leaf, len(leaf.pages) - 1)):
             self.allocator.free([leaf.pages.pop()])
@@ -314,8 +295,7 @@ class RadixCache:
         if self.allocator.num_free - free_before >= need or not all(
                 self._frees(leaf, i) for i in range(len(leaf.pages))):
             return  # enough, or the rest is still held by a running sequence: keep the entry
-        for child in list(leaf.children.values()):  # host entries below: unreachable now
-            self._drop_host_subtree(child)
+        self._drop_children(leaf)
         self.allocator.free(leaf.pages)
         self._held_pages -= len(leaf.pages)
         self._cached_tokens -= len(leaf.key)
@@ -325,149 +305,7 @@ class RadixCache:
         del self._leaves[leaf.id]
         self._reindex(leaf.parent)
 
-    def _tier(self, node: _Node) -> PageAllocator:
-        return self.host if node.host else self.allocator
-
-    def _reindex(self, node: _Node) -> None:
-        """Files a node under the device or host leaves after its children or tier changed."""
-        if node.parent is None or not node.alive:
-            return
-        if node.host:
-            self._leaves.pop(node.id, None)
-            if node.children:
-                self._host_leaves.pop(node.id, None)
-            else:
-                self._host_leaves[node.id] = node
-            return
-        self._host_leaves.pop(node.id, None)
-        if any(not c.host for c in node.children.values()):
-            self._leaves.pop(node.id, None)
-        else:
-            self._leaves[node.id] = node
-
-    # ---- the host tier -------------------------------------------------------------------
-
-    def _demote(self, leaf: _Node) -> bool:
-        """Moves a device leaf (whose pages only the cache holds) to host slots, making room
-        there by dropping host LRU leaves; False (nothing changed) if it cannot."""
-        n = len(leaf.pages)
-        if not all(self._frees(leaf, i) for i in range(n)):
-            return False
-        if self.host.num_free < n:  # one LRU order: only host entries older than this one go
-            self._drop_host(n - self.host.num_free, older_than=leaf.last_access)
-        if self.host.num_free < n:
-            return False
-        slots = self.host.allocate(n)
-        self.transfers.append(("save", list(leaf.pages), slots))
-        self.allocator.free(leaf.pages)
-        self._held_pages -= n
-        self._host_held += n
-        self._host_tokens += len(leaf.key)
-        leaf.pages, leaf.host = slots, True
-        self.version += 1
-        self._stats["host_saved_pages"] += n
-        self._reindex(leaf)
-        self._reindex(leaf.parent)
-        return True
-
-    def _drop_host(self, need: int, older_than: int) -> None:
-        """Drops LRU unlocked host leaves used before ``older_than`` until ``need`` slots are
-        free (or none is left)."""
-        free_before = self.host.num_free
-        heap = [(n.last_access, n.id, n) for n in self._host_leaves.values()
-                if n.lock == 0 and n.last_access <= older_than]
-        heapq.heapify(heap)
-        while heap and self.host.num_free - free_before < need:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            self._drop_host_subtree(leaf)
-            if (parent.host and parent.id in self._host_leaves and parent.lock == 0
-                    and parent.last_access <= older_than):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-
-    def _drop_host_subtree(self, node: _Node) -> None:
-        for child in list(node.children.values()):
-            self._drop_host_subtree(child)
-        self.host.free(node.pages)
-        self._host_held -= len(node.pages)
-        self._host_tokens -= len(node.key)
-        self._cached_tokens -= len(node.key)
-        self._stats["host_evicted_tokens"] += len(node.key)
-        del node.parent.children[node.key[0]]
-        node.alive = False
-        self._host_leaves.pop(node.id, None)
-        self.version += 1
-        self._reindex(node.parent)
-
-    def _to_device(self, node: _Node, pages: list[int]) -> None:
-        """Gives a host node the device pages ``pages`` (already referenced for it)."""
-        self.host.free(node.pages)
-        self._host_held -= len(node.pages)
-        self._held_pages += len(pages)
-        self._host_tokens -= len(node.key)
-        node.pages, node.host = pages, False
-        self.version += 1
-        self._reindex(node)
-        self._reindex(node.parent)
-
-    def _adopt(self, node: _Node, pages: Sequence[int]) -> None:
-        """A host node on an inserted path takes the inserter's device pages (same KV)."""
-        s = self.page_size
-        own = [int(p) for p in pages[node.start // s:(node.end - 1) // s + 1]]
-        self.allocator.share(own)
-        self._to_device(node, own)
-
-    def promote(self, tokens: Sequence[int], salt: Hashable = None) -> int:
-        """Brings the host nodes on the longest cached path of ``tokens`` back to the device,
-        top-down, while device pages can be had (evicting other LRU entries); each one's copy
-        is queued in `transfers`. A node the query matches only partly is split first: only
-        the matched part moves. Returns the number of tokens promoted (the caller counts the
-        ones it reuses, with `record`)."""
-        root = self._roots.get(salt)
-        if self.host is None or root is None:
-            return 0
-        node, on_host = self._walk_nodes(tokens, root)
-        if not on_host:
-            return 0
-        matched = node.start + _common_len(node.key, tokens, node.start)
-        if matched < node.end:  # the query ends inside the deepest (host) node: split it
-            node = self._split(node, matched - node.start)
-            on_host[-1] = node
-        self.lock(node)  # neither the device path nor these host nodes may go meanwhile
-        promoted = 0
-        try:
-            for n in on_host:
-                need = len(n.pages)
-                if self.allocator.num_free < need:
-                    self.evict(need - self.allocator.num_free)
-                if self.allocator.num_free < need:
-                    break
-                pages = self.allocator.allocate(need)
-                self.transfers.append(("load", list(n.pages), pages))
-                self._stats["host_loaded_pages"] += need
-                promoted += len(n.key)
-                self._to_device(n, pages)
-        finally:
-            self.unlock(node)
-        return promoted
-
-    def cached_length(self, tokens: Sequence[int], salt: Hashable = None) -> int:
-        """How many leading tokens of ``tokens`` either tier holds (a look: no recency change,
-        no stats): what a router or the admission order should count as a hit."""
-        root = self._roots.get(salt)
-        if root is None:
-            return 0
-        node, _ = self._walk_nodes(tokens, root)
-        if node.parent is None:
-            return 0
-        return node.start + _common_len(node.key, tokens, node.start)
-
-    def take_transfers(self) -> list[tuple[str, list[int], list[int]]]:
-        """The copies queued since the last call, in the order they must run."""
-        out, self.transfers = self.transfers, []
-        return out
-
-    def _frees(self, node: _Node, i: int) -> bool:
+    def _frees(self, node: Node, i: int) -> bool:
         """Whether dropping the cache's references on page ``node.pages[i]`` frees it: only the
         cache holds it (this node, and the ancestors that hold the same page for a page index
         their edges share), so no running sequence still reads it. Evicting an entry that
@@ -479,29 +317,54 @@ class RadixCache:
             refs, up = refs + 1, up.parent
         return self.allocator.refcount(page) == refs
 
-    def _walk_nodes(self, tokens: Sequence[int], node: _Node) -> tuple[_Node, list[_Node]]:
-        """(deepest node matching a prefix of ``tokens`` through both tiers, the host nodes on
-        the way)."""
-        pos, on_host = 0, []
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            m = _common_len(child.key, tokens, pos)
-            if child.host:
-                on_host.append(child)
-            node, pos = child, pos + m
-            if m < len(child.key):
-                break
-        return node, on_host
+    # ---- hooks: what a tier behind the device changes ----------------------------------------
+
+    def _on_device(self, node: Node) -> bool:
+        """Whether the node's pages are device pages (only those serve a match)."""
+        return True
+
+    def _recomputed(self, node: Node, pages: Sequence[int]) -> None:
+        """An insert ran through ``node``: the caller holds its KV again in ``pages``."""
+
+    def _share_cut_page(self, node: Node, page: int) -> None:
+        """A split gives both halves of ``node`` the page straddling the cut."""
+        self.allocator.share([page])
+        self._held_pages += 1
+
+    def _retire(self, leaf: Node, need: int, keep: bool) -> None:
+        """Eviction's move for one LRU leaf, toward ``need`` free pages: drop it (or its tail)."""
+        self._evict_leaf(leaf, need)
+
+    def _drop_children(self, leaf: Node) -> None:
+        """A device leaf is dropped: so are its children (none here)."""
+
+    def _reindex(self, node: Node) -> None:
+        """Files a node under the leaves, or not, after its children changed."""
+        if node.parent is None or not node.alive:
+            return
+        if node.children:
+            self._leaves.pop(node.id, None)
+        else:
+            self._leaves[node.id] = node
+
+    def _is_leaf(self, node: Node) -> bool:
+        """Whether `_leaves` should hold the node (for `check`)."""
+        return not node.children
+
+    # ---- accounting ----------------------------------------------------------------------
 
     def held_pages(self) -> list[int]:
         """Every device page the cache holds a reference on, one entry per reference."""
-        return [p for n in self._nodes() if not n.host for p in n.pages]
+        return [p for n in self._nodes() if self._on_device(n) for p in n.pages]
 
-    def host_held_pages(self) -> list[int]:
-        """Every host slot the cache holds a reference on, one entry per reference."""
-        return [p for n in self._nodes() if n.host for p in n.pages]
+    def entries(self) -> Iterator[RadixEntry]:
+        """Every node below the roots, parents before their children."""
+        for salt, root in self._roots.items():
+            stack = [(child, tuple(child.key)) for child in root.children.values()]
+            while stack:
+                node, path = stack.pop()
+                yield RadixEntry(salt, path, node.start, tuple(node.pages), self._on_device(node))
+                stack += [(c, path + tuple(c.key)) for c in node.children.values()]
 
     @property
     def num_cached_tokens(self) -> int:
@@ -518,7 +381,7 @@ class RadixCache:
         q = self._stats["query_tokens"]
         return dict(self._stats, hit_rate=self._stats["hit_tokens"] / q if q else 0.0,
                     cached_tokens=self._cached_tokens, held_pages=self._held_pages,
-                    host_tokens=self._host_tokens, host_held_pages=self._host_held,
+                    host_tokens=0, host_held_pages=0,
                     nodes=sum(1 for n in self._nodes() if n.parent is not None))
 
     def check(self) -> None:
@@ -526,13 +389,8 @@ class RadixCache:
         s, tokens, held = self.page_size, 0, []
         for salt, root in self._roots.items():
             assert root.parent is None and not root.key and not root.pages, f"root {salt!r}"
-        nodes = [n for n in self._nodes() if n.parent is not None]
-        leaves = {n.id for n in nodes if not n.host
-                  and all(c.host for c in n.children.values())}
+        leaves = {n.id for n in self._nodes() if n.parent is not None and self._is_leaf(n)}
         assert leaves == set(self._leaves), "the leaf index disagrees with the tree"
-        host_leaves = {n.id for n in nodes if n.host and not n.children}
-        assert host_leaves == set(self._host_leaves), "the host leaf index disagrees"
-        host_held, host_tokens = [], 0
         for n in self._nodes():
             assert n.alive, "an evicted node is still in the tree"
             below = sum(c.lock for c in n.children.values())
@@ -546,57 +404,30 @@ class RadixCache:
                 continue
             covers = (n.end - 1) // s - n.start // s + 1
             assert len(n.pages) == covers, f"node {n.id}: {len(n.pages)} pages for {covers}"
-            if n.host:
-                assert self.host is not None, f"node {n.id}: on the host without a host tier"
-                assert all(c.host for c in n.children.values()), f"node {n.id}: a device " \
-                    "node below a host node"
-                tokens, host_held = tokens + len(n.key), host_held + n.pages
-                host_tokens += len(n.key)
-                continue
-            tokens, held = tokens + len(n.key), held + n.pages
+            tokens += len(n.key)
+            if self._on_device(n):
+                held += n.pages
         assert tokens == self._cached_tokens, f"cached tokens {self._cached_tokens} != {tokens}"
         assert len(held) == self._held_pages, f"held pages {self._held_pages} != {len(held)}"
-        assert len(host_held) == self._host_held, f"host refs {self._host_held} != {len(host_held)}"
-        assert host_tokens == self._host_tokens, f"host tokens {self._host_tokens} != {host_tokens}"
         for p, refs in Counter(held).items():
             assert self.allocator.refcount(p) >= refs, (
                 f"cache holds {refs} refs on page {p}, allocator counts only "
                 f"{self.allocator.refcount(p)}")
-        if self.host is not None:  # only the cache holds host slots: counts must be exact
-            self.host.check([[p] for p in host_held])
 
-    def _root(self, salt: Hashable) -> _Node:
+    def _root(self, salt: Hashable) -> Node:
         if salt not in self._roots:
-            self._roots[salt] = _Node([], 0, [], None, next(self._ids))
+            self._roots[salt] = self._node_type([], 0, [], None, next(self._ids))
         return self._roots[salt]
 
-    def _touch(self, node: _Node) -> None:
+    def _touch(self, node: Node) -> None:
         self._clock += 1
-        for n in _path(node):
+        for n in path_to_root(node):
             n.last_access = self._clock
 
-    def _nodes(self) -> Iterator[_Node]:
+    def _nodes(self) -> Iterator[Node]:
         stack = list(self._roots.values())
         while stack:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
 
-
-def _path(node: _Node) -> Iterator[_Node]:
-    """The node and its ancestors, up to and including the root."""
-    while node is not None:
-        yield node
-        node = node.parent
-
-
-def _common_len(key: list[int], tokens: Sequence[int], pos: int) -> int:
-    """Length of the common prefix of `key` and tokens[pos:] (whole runs compared as slices,
-    in C, then the first differing run token by token)."""
-    limit = min(len(key), len(tokens) - pos)
-    m, run = 0, 64
-    while m + run <= limit and key[m:m + run] == list(tokens[pos + m:pos + m + run]):
-        m += run
-    while m < limit and key[m] == tokens[pos + m]:
-        m += 1
-    return m

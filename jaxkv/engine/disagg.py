@@ -242,8 +242,7 @@ class DisaggregatedEngine:
             self._streams.clear()  # not gathered yet, or reservations sharing cached pages
             for t in [t for t in self._moving if (t.arrival is None) == (engine is self.prefill)]:
                 self._recompute_on_decode(t)
-            if engine.radix is not None:  # entries those held kept through the engine's clear
-                engine.radix.clear()
+            engine.radix.clear()  # entries those held kept through the engine's clear
         if engine is self.prefill:
             self._take_handoffs()
             if self.stream_pages:
@@ -279,8 +278,7 @@ class DisaggregatedEngine:
                 continue
             sent = self._streams.setdefault(req.request_id, [])
             have = {i for x in sent for i in x.index}
-            held = 0 if radix is None else radix.cached_length(
-                req.token_ids[:full * s], req.cache_namespace) // s
+            held = radix.cached_length(req.token_ids[:full * s], req.cache_namespace) // s
             # Pages the prefill side's own prefix cache served came from an earlier request,
             # whose hand-off has usually put them in the decode side's cache too: they wait
             # for the hand-off's look, so streaming sends only what this prompt computed.

@@ -282,8 +282,7 @@ class PrefillWorker(_Side):
             self.channel.send(dict(op="recompute", request_id=rid))
         for rid in list(self._held):  # offered: their pages were exported before the failure
             self._drop_held(rid)
-        if self.engine.radix is not None:  # entries the held pages kept through the engine's
-            self.engine.radix.clear()     # own clear: their contents are lost
+        self.engine.radix.clear()  # what the held pages kept through the engine's clear: lost
 
     def _send_handoff(self, h: Handoff) -> None:
         rid = h.seqs[0].request_id
@@ -377,8 +376,7 @@ class DecodeWorker(_Side):
         if self.engine.state_resets != resets:  # a failed step lost this pool: reservations
             for rid in [r for r, t in self._incoming.items() if t.arrival is not None]:
                 self._recompute(rid)  # share pages of it, so they recompute here
-            if self.engine.radix is not None:  # entries those pages kept through the clear
-                self.engine.radix.clear()
+            self.engine.radix.clear()  # entries those pages kept through the clear
         for rid in [r for r in self._known
                     if r not in self._incoming and not self.engine.has_request(r)]:
             self._known.discard(rid)  # ended here (normally, aborted or failed)

@@ -24,6 +24,8 @@ import logging
 import time
 
 from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.host_radix import HostTieredRadixCache
+from jaxkv.cache.prefix import NullPrefixCache
 from jaxkv.cache.radix import RadixCache
 from jaxkv.config import EngineConfig, field_sections, unknown_setting
 from jaxkv.engine import intake, weights
@@ -95,9 +97,13 @@ class Engine:
         self.async_scheduling = sched.async_scheduling
         self.allocator = PageAllocator(cache.num_pages, track_freed=cache.debug_nan_freed_pages)
         host = self.runner.host_pool
-        host_slots = None if host is None else PageAllocator(host.num_slots)
-        self.radix = RadixCache(self.allocator, cache.page_size, host_slots) \
-            if cache.enable_prefix_caching else None
+        if host is not None:
+            self.radix = HostTieredRadixCache(self.allocator, cache.page_size,
+                                              PageAllocator(host.num_slots))
+        elif cache.enable_prefix_caching:
+            self.radix = RadixCache(self.allocator, cache.page_size)
+        else:
+            self.radix = NullPrefixCache()
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=cache.page_size,
                                    max_num_seqs=sched.max_num_seqs,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -296,7 +302,7 @@ class Engine:
 
     def run_cache_copies(self) -> None:
         """Runs the copies the host tier queued (before anything reads or reuses the pages)."""
-        if self.radix is not None and self.runner.host_pool is not None:
+        if self.runner.host_pool is not None:
             self.runner.run_host_copies(self.radix.take_transfers())
 
     def _launch(self, plan):
@@ -440,8 +446,7 @@ class Engine:
             outputs.append(build_output(rid, entry))
         if self.runner.state_lost():
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
-            if self.radix is not None:
-                self.radix.clear()
+            self.radix.clear()
             if self.runner.debug_nan_freed_pages:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.runner.state = self.runner.new_state()
@@ -464,8 +469,6 @@ class Engine:
             **self._host_stats())
 
     def _host_stats(self) -> dict:
-        if self.radix is None:
-            return {}
         r = self.radix.stats()
         out = dict(device_hit_tokens=r["hit_tokens"] - r["host_hit_tokens"])
         host = self.runner.host_pool
@@ -480,5 +483,4 @@ class Engine:
         """Asserts the host invariants: every page's refcount equals its holders (running
         sequences and prefix-cache references), and the radix tree's own invariants."""
         self.allocator.check(holders=self.scheduler.holders())
-        if self.radix is not None:
-            self.radix.check()
+        self.radix.check()

@@ -1,9 +1,10 @@
 """The host-memory tier of the prefix cache: KV pages the device pool evicted, kept in numpy.
 
-`RadixCache` decides what moves (it demotes LRU entries instead of dropping them, and promotes
-them back on a hit) and queues each copy in `RadixCache.transfers`; `HostKVPool` holds the
-slots and runs the copies against the device state, in the order queued, before the step that
-reads or reuses those pages:
+`jaxkv.cache.host_radix.HostTieredRadixCache` decides what moves (it demotes LRU entries
+instead of dropping them, and promotes them back on a hit) and queues each copy as a
+`jaxkv.cache.prefix.Transfer` (`take_transfers`); `HostKVPool` holds the slots and runs the
+copies against the device state, in the order queued, before the step that reads or reuses
+those pages:
 
 - a save gathers device pages into one device array and starts its copy to the host without
   waiting (`copy_to_host_async`); it lands in the numpy slots when a load needs those slots,
@@ -49,8 +50,8 @@ class HostKVPool:
         return self.values.shape[0]
 
     def run(self, state, transfers):
-        """Runs ``transfers`` (("save", pages, slots) / ("load", slots, pages), in order)
-        against ``state``; returns the new state (loads donate it)."""
+        """Runs ``transfers`` (`Transfer`s: ("save", pages, slots) / ("load", slots, pages), in
+        order) against ``state``; returns the new state (loads donate it)."""
         for kind, group in itertools.groupby(transfers, key=lambda t: t[0]):
             pairs = [p for _, src, dst in group for p in zip(src, dst, strict=True)]
             if kind == "save":  # a slot saved twice in a row (freed, then reused): the last wins

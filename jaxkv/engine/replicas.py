@@ -45,7 +45,7 @@ class ReplicatedEngine:
 
         hits = [e.radix.cached_length(prompt_ids[:-1],  # device and host tiers
                                       cache_namespace(cache_salt, e.weight_version))
-                if e.radix is not None else 0 for e in self.replicas]
+                for e in self.replicas]
         least = min(range(len(self.replicas)), key=load)
         best = max(hits)
         if best > 0 and best >= self.cache_threshold * (len(prompt_ids) - 1):

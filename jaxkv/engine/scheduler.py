@@ -16,9 +16,13 @@ where the last step stopped), so in steady state none waits more than ceil(decod
 steps. A preemption victim is still the newest sequence not yet scheduled in the step, which
 with turns may be older than one already scheduled.
 
-With a host tier, admission first brings back to device pages the host-resident entries on the
-request's cached path (`RadixCache.promote`), and eviction moves entries to the host instead
-of dropping them; the cache queues the copies for the engine to run before the step.
+The prefix cache is any `jaxkv.cache.prefix.PrefixCache`. With prefix caching off
+(`NullPrefixCache`) nothing matches, every page is freed as soon as its sequence lets go of it,
+and the waiting queue is served in its own order (preempted sequences at its front, then
+arrivals). With a host tier (`jaxkv.cache.host_radix.HostTieredRadixCache`), admission first
+brings back to device pages the host-resident entries on the request's cached path
+(`PrefixCache.promote`), and eviction moves entries to the host instead of dropping them; the
+cache queues the copies for the engine to run before the step.
 
 Prefix-cache entries live in the namespace (cache_salt, weight version) of the request that
 computed them (`Request.cache_namespace`; the version is ``weight_version`` at its admission),
@@ -38,7 +42,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from jaxkv.cache.allocator import PageAllocator
-from jaxkv.cache.radix import RadixCache
+from jaxkv.cache.prefix import PrefixCache
 from jaxkv.engine.request import Request, RequestStatus, cache_namespace
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
@@ -109,7 +113,7 @@ class SchedulerCounters:
 class Scheduler:
     """Owns the waiting and running queues and every page a sequence holds."""
 
-    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, *, page_size: int,
+    def __init__(self, allocator: PageAllocator, radix: PrefixCache, *, page_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: Collection[int] = ()):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
@@ -207,7 +211,7 @@ class Scheduler:
     def _evict(self, need: int) -> bool:
         """Evicts from the prefix cache toward `need` free pages; True if any page was freed."""
         short = need - self.allocator.num_free
-        return self.radix is not None and short > 0 and self.radix.evict(short) > 0
+        return short > 0 and self.radix.evict(short) > 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         if budget == 0 or not self.waiting or not self._free_slots:
@@ -232,7 +236,7 @@ class Scheduler:
                     req.skipped += 1
 
     def _waiting_order(self) -> list[Request]:
-        if self.radix is None or len(self.waiting) == 1 or len(self.waiting) > FCFS_QUEUE_LEN:
+        if not self.radix.enabled or len(self.waiting) == 1 or len(self.waiting) > FCFS_QUEUE_LEN:
             return list(self.waiting)
         hit = {r: self._peek_hit(r) for r in self.waiting}
         return sorted(self.waiting, key=lambda r: (
@@ -256,14 +260,11 @@ class Scheduler:
         if len(self._free_slots) < 1 + len(req.forks):
             return False
         s, tokens = self.page_size, req.token_ids
-        match, cached = None, 0
+        match, cached, promoted = None, 0, 0
         space = cache_namespace(req.cache_salt, self.weight_version)  # KV of these weights
-        if self.radix is not None and not req.needs_prompt_logits:
-            on_device = len(tokens)  # what the device held before any promotion
-            if self.radix.host is not None:  # host-tier entries on its path: copy them back
-                on_device = self.radix.match_prefix(tokens[:-1], space, peek=True).num_tokens
-                if not self.radix.promote(tokens[:-1], space):
-                    on_device = len(tokens)  # nothing came back from the host
+        if not req.needs_prompt_logits:
+            # Entries on its path held off the device (a host tier): copied back first.
+            promoted = self.radix.promote(tokens[:-1], space)
             # At most len - 1 tokens: the last token must run for its logits.
             # A peek: counted (and its recency refreshed) only if the request is admitted, so
             # an admission retried every step under memory pressure counts once.
@@ -300,6 +301,7 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
         if match is not None:
+            on_device = match.num_tokens - promoted  # what the device held before promotion
             self.radix.record(match, len(tokens) - 1, cached,
                               from_host=max(0, cached - on_device))
         self.counters.cached_prompt_tokens += cached
@@ -389,7 +391,7 @@ class Scheduler:
         """Offers a prompt's computed whole pages to the prefix cache, so requests arriving
         while it runs can share them (a partial last page is still being written)."""
         full = req.num_computed_tokens // self.page_size
-        if self.radix is not None and full > req.pages_offered:
+        if full > req.pages_offered:
             self.radix.insert(req.token_ids[:full * self.page_size], req.pages[:full],
                               req.cache_namespace)
             req.pages_offered = full
@@ -439,7 +441,7 @@ class Scheduler:
         drops its pages, lock and slots."""
         self.running.remove(req)
         n = req.num_computed_tokens
-        if cache and self.radix is not None and n:
+        if cache and n:
             self.radix.insert(req.token_ids[:n], req.pages[:-(-n // self.page_size)],
                               req.cache_namespace)
         self.allocator.free(req.pages)
@@ -460,8 +462,7 @@ class Scheduler:
         first, s = seqs[0], self.page_size
         n = first.num_computed_tokens  # the prompt (every sample shares its pages)
         pages = list(first.pages)
-        if self.radix is not None:
-            self.radix.insert(first.token_ids[:n], pages[:-(-n // s)], first.cache_namespace)
+        self.radix.insert(first.token_ids[:n], pages[:-(-n // s)], first.cache_namespace)
         for seq in seqs:
             self.running.remove(seq)
             if seq is not first:
@@ -489,10 +490,9 @@ class Scheduler:
             return None
         first = seqs[0]
         shared, match = [], None
-        if self.radix is not None and not first.needs_prompt_logits:
+        if not first.needs_prompt_logits:
             space = first.cache_namespace  # pages of the weights that computed its prompt
-            if self.radix.host is not None:
-                self.radix.promote(first.token_ids[:n], space)
+            self.radix.promote(first.token_ids[:n], space)
             match = self.radix.match_prefix(first.token_ids[:n], space, peek=True)
             shared = list(match.pages[:match.num_tokens // s])
         self.allocator.share(shared)
@@ -537,8 +537,7 @@ class Scheduler:
         held = [list(r.pages) for r in self.running]
         held += [list(h.pages) for h in self.handoffs]
         held += [list(seq.pages) for a in self.arrivals for seq in a.seqs]
-        if self.radix is not None:
-            held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
+        held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
         return held
 
     def page_usage(self) -> tuple[int, int]:
@@ -547,5 +546,5 @@ class Scheduler:
         used = {p for r in self.running for p in r.pages}
         used |= {p for h in self.handoffs for p in h.pages}
         used |= {p for a in self.arrivals for seq in a.seqs for p in seq.pages}
-        cached = set(self.radix.held_pages()) - used if self.radix is not None else set()
+        cached = set(self.radix.held_pages()) - used
         return len(used), len(cached)
