@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from jaxkv.bench.cli import add_bench_parser
 from jaxkv.memory_cli import add_memory_parser
 
 DEMO_PROMPTS = (
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat_parser(sub)
     _add_serve_parser(sub)
     add_memory_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
