@@ -44,7 +44,7 @@ def run(args) -> dict:
             if company and start == 0:
                 rows += [Row(i + 1, o, 0, list(range(8 + 8 * i, 16 + 8 * i)))
                          for i, o in enumerate(others)]
-            batch = build_batch(rows, table, tokens_bucket=max(tokens_bucket, 128 * company))
+            batch = build_batch(rows, table, tokens_bucket=max(tokens_bucket, 256 * company))
             _, logits, _, state = steps.step(model.params, state, batch,
                                              np.zeros((8, 2), np.uint32), SamplingArrays.greedy(8))
             start += chunk
