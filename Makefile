@@ -57,7 +57,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 bench-cache: $(VENV)/.installed
-	$(PY) scripts/bench_cache.py
+	$(PY) -m jaxkv.bench cache
 
 train-tiny: $(VENV)/.installed
 	$(PY) scripts/train_tiny.py

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from jaxkv.bench.cli import add_bench_parser
 from jaxkv.cli_settings import add_engine_arguments, engine_settings
 from jaxkv.memory_cli import add_memory_parser
 
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat_parser(sub)
     _add_serve_parser(sub)
     add_memory_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -25,11 +25,11 @@ import jax.numpy as jnp
 from pallas_kernels.quant import scales_by_page, unpack_scales
 
 _MASKED = -1e30  # finite, so a fully masked row gives zeros, never NaN
-# Measured on XLA:CPU (2 cores, the 125M model of scripts/bench_peers.py): a decode step at
+# Measured on XLA:CPU (2 cores, the 125M model of `jaxkv bench peers`): a decode step at
 # batch 16 and ~330 tokens of context took 45 ms at 128 keys per chunk against 57-63 ms at 256
 # (a chunk's gather covers whole chunks, so smaller ones waste less past the end of a row).
 # 64 query tokens per block made a lone 512-token prefill 0.81 -> 0.59-0.65 s, but doubled
-# TTFT on the mixed batches of bench_peers (a block spanning rows gathers per token), so 32.
+# TTFT on the mixed batches of bench peers (a block spanning rows gathers per token), so 32.
 BLOCK_Q = 32  # query tokens per block of the ragged reference
 BLOCK_KV = 256  # key positions per chunk of the ragged reference
 DECODE_BLOCK_KV = 128  # key positions per chunk of the decode reference

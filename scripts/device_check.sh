@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with one NVIDIA GPU, under 8 minutes (the stage limits sum
 # to 470 s when jax is preinstalled): the GPU kernel tests compiled for the real chip (no
-# interpret mode), scripts/bench_kernels.py, and an end-to-end jaxkv.generate with the Pallas
+# interpret mode), `jaxkv bench kernels`, and an end-to-end jaxkv.generate with the Pallas
 # kernels against the reference attention. Every stage has its own time limit and log; a
 # failing stage is recorded and the next one still runs.
 #
@@ -50,9 +50,9 @@ stage kernels 120 env JAX_PLATFORMS=cuda JAXKV_KERNELS_ON_DEVICE=1 \
 # Decode bandwidth: Llama-3-8B-like heads (8 kv heads, GQA 8, head_dim 128; 11 shapes up to
 # 8 GiB of KV), then Llama-3.2-1B-like (GQA 4, head_dim 64; 4 shapes), against JAX's shipped
 # kernel and the XLA reference.
-stage bench 180 bash -c "$PY scripts/bench_kernels.py --max-kv-gib 8 --repeats 10 \
+stage bench 180 bash -c "$PY -m jaxkv.bench kernels --max-kv-gib 8 --repeats 10 \
   --out $OUT/bench_kernels.png && \
-  $PY scripts/bench_kernels.py --group 4 --head-dim 64 --batch 8 64 --context 4096 32768 \
+  $PY -m jaxkv.bench kernels --group 4 --head-dim 64 --batch 8 64 --context 4096 32768 \
   --repeats 10 --out $OUT/bench_kernels_d64.png"
 
 stage generate 80 $PY scripts/check_generate.py --batch 8 --max-tokens 64

@@ -1,22 +1,18 @@
-"""scripts/bench_prefix_cache.py runs end to end on a tiny model (timings are not checked)."""
+"""`jaxkv bench prefix-cache` runs end to end on a tiny model (timings are not checked)."""
 
 import re
 
-from script_loader import load_script
-
-
-def _load():
-    return load_script("bench_prefix_cache")
+from jaxkv.bench import prefix_cache
 
 
 def test_bench_prefix_cache_small_run(capsys, tmp_path):
     argv = ["--layers", "1", "--hidden", "64", "--prefix", "32", "--suffix", "8",
             "--requests", "3", "--max-tokens", "2", "--convs", "2", "--turns", "2",
             "--user", "8", "--reply", "4", "--out", str(tmp_path / "p.png")]
-    assert _load().main(argv) == 0
+    assert prefix_cache.main(argv) == 0
     out = capsys.readouterr().out
     assert "caching on" in out and "caching off" in out
-    assert "reproduce: python scripts/bench_prefix_cache.py" in out
+    assert "reproduce: jaxkv bench prefix-cache --layers 1 --hidden 64" in out
     # (a): hit rate column of each mode; with caching on it reaches the theoretical maximum.
     rates = {m: float(r) for m, r in re.findall(r"^caching (on|off) .* ([\d.]+)% +[\d.]+%$",
                                                  out, re.M)}

@@ -1,35 +1,48 @@
-"""The benchmark scripts run end to end in their CPU modes (numbers are not checked here)."""
+"""The `jaxkv bench` subcommands run end to end in their CPU modes (numbers are not checked
+here)."""
 
-from script_loader import load_script as _load
+import json
+
+from jaxkv.bench import cache, host_tier, kernels, kv_accuracy, kv_capacity, peers, profile, serve
 
 
 def test_bench_kernels_refuses_cpu_timings(capsys):
-    assert _load("bench_kernels").main([]) == 0
+    assert kernels.main([]) == 0
     assert "interpret mode" in capsys.readouterr().out
 
 
 def test_bench_kernels_smoke_agrees_across_implementations(capsys, tmp_path):
-    assert _load("bench_kernels").main(["--smoke", "--out", str(tmp_path / "p.png")]) == 0
+    assert kernels.main(["--smoke", "--out", str(tmp_path / "p.png")]) == 0
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines()]
     errs = {ln[2]: float(ln[-1]) for ln in lines if len(ln) == 7 and ln[0] == "2"}
     assert set(errs) == {"jaxkv", "xla-reference", "jax-shipped"}
     assert max(errs.values()) < 2e-2  # bf16, all three compute the same attention
 
 
-def test_bench_cache_small_run(capsys):
-    assert _load("bench_cache").main(["--tokens", "4", "8", "--prompt-len", "8",
-                                      "--layers", "1"]) == 0
+def test_bench_cache_small_run(capsys, tmp_path):
+    """Cache vs recompute on a 1-layer model; --json writes the environment, the arguments
+    and the table's numbers."""
+    path = tmp_path / "cache.json"
+    assert cache.main(["--tokens", "4", "8", "--prompt-len", "8", "--layers", "1",
+                       "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "speedup" in out and "reproduce: python scripts/bench_cache.py" in out
+    assert "speedup" in out
+    assert "reproduce: jaxkv bench cache --tokens 4 8 --prompt-len 8 --layers 1" in out
+    record = json.loads(path.read_text())
+    assert set(record) == {"env", "args", "results"}
+    assert record["env"]["backend"] == "cpu" and record["env"]["jax"]
+    assert record["args"]["tokens"] == [4, 8] and record["args"]["bench"] == "cache"
+    assert [r["new_tokens"] for r in record["results"]["rows"]] == [4, 8]
+    assert all(r["speedup"] > 0 for r in record["results"]["rows"])
 
 
 def test_bench_peers_small_multiturn(capsys, tmp_path):
     """The peer benchmark's multiturn rounds (each turn's prompt = the previous prompt, its
     output and new user tokens) through jaxkv and transformers on a 1-layer model: greedy
     tokens must agree on every request (fp32, same checkpoint)."""
-    assert _load("bench_peers").main(["--layers", "1", "--hidden", "64", "--repeats", "1",
-                                      "--workloads", "multiturn", "--engines", "hf", "jaxkv",
-                                      "--out", str(tmp_path / "p.png")]) == 0
+    assert peers.main(["--layers", "1", "--hidden", "64", "--repeats", "1",
+                       "--workloads", "multiturn", "--engines", "hf", "jaxkv",
+                       "--out", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
     assert "jaxkv Engine (tuned) vs transformers generate: 16/16 requests identical" in out
     assert (tmp_path / "p.png").exists()
@@ -37,21 +50,22 @@ def test_bench_peers_small_multiturn(capsys, tmp_path):
 
 def test_profile_runtime_attention_part(capsys):
     """The attention profile runs the reference and both gathers on a small pool."""
-    assert _load("profile_runtime").main(["--parts", "attention", "--layers", "2",
-                                          "--batch", "2", "--prompt-len", "60"]) == 0
+    assert profile.main(["--parts", "attention", "--layers", "2", "--batch", "2",
+                         "--prompt-len", "60"]) == 0
     out = capsys.readouterr().out
     assert "reference attention" in out and "page-major pool" in out
-    assert "reproduce: python scripts/profile_runtime.py --parts attention" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("reproduce: "))
+    assert line.startswith("reproduce: jaxkv bench profile --batch 2 --prompt-len 60 ")
+    assert "--layers 2 --parts attention" in line
 
 
 def test_bench_serve_small_run(capsys, tmp_path):
     """Clients against the in-process server and the offline column, on the embedded model."""
     from jaxkv.model.pretrained import DEFAULT_MODEL_DIR
 
-    assert _load("bench_serve").main(["--model", str(DEFAULT_MODEL_DIR), "--num-prompts", "3",
-                                      "--concurrency", "2", "--input-len", "8",
-                                      "--output-len", "4", "--no-warmup",
-                                      "--out", str(tmp_path / "s.png")]) == 0
+    assert serve.main(["--model", str(DEFAULT_MODEL_DIR), "--num-prompts", "3",
+                       "--concurrency", "2", "--input-len", "8", "--output-len", "4",
+                       "--no-warmup", "--out", str(tmp_path / "s.png")]) == 0
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("serve,", "offline"))]
     assert len(rows) == 2 and all(r[-7] == "3" for r in rows)  # 3 requests each
@@ -62,23 +76,22 @@ def test_kv_accuracy_small_run(capsys):
     """KV quantization accuracy on the embedded model: two chunks of held text, 8 greedy
     tokens; every kv dtype has a row, auto's errors are exactly 0, int8's stay small. (An
     8-token prompt prefills with the decode step's program: 6 compiles, not 9.)"""
-    assert _load("kv_accuracy").main(["--models", "tiny", "--tokens", "128", "--chunk", "64",
-                                      "--new-tokens", "8", "--prompts", "1",
-                                      "--random-prompts", "8"]) == 0
+    assert kv_accuracy.main(["--models", "tiny", "--tokens", "128", "--chunk", "64",
+                             "--new-tokens", "8", "--prompts", "1", "--random-prompts", "8"]) == 0
     out = capsys.readouterr().out
     cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()]
     rows = {c[0]: c[1:] for c in cells if len(c) == 10}
     assert set(rows) == {"kv dtype", "---", "auto (float32)", "int8", "fp8_e4m3"}
     assert rows["auto (float32)"][:3] == ["0", "0", "0"]
     assert 0 < float(rows["int8"][0]) < 0.5  # max abs logit error
-    assert "reproduce: python scripts/kv_accuracy.py --models tiny --tokens 128" in out
+    assert "reproduce: jaxkv bench kv-accuracy --models tiny --tokens 128" in out
 
 
 def test_bench_host_tier_small_run(capsys, tmp_path):
     """Host tier off vs on on the embedded model, 4 conversations x 2 turns through a pool
     that keeps about 1: identical greedy outputs, fewer prompt tokens recomputed with the
     tier (the rest copied back from host memory), nothing compiled after warmup."""
-    assert _load("bench_host_tier").main([
+    assert host_tier.main([
         "--conversations", "4", "--turns", "2", "--new-tokens", "4", "--pool-convs", "1",
         "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
         "--out", str(tmp_path / "h.png")]) == 0
@@ -95,7 +108,7 @@ def test_bench_host_tier_small_run(capsys, tmp_path):
     turns = [ln.split()[0] for ln in out.splitlines() if "|" in ln and ln.split()[0].isdigit()]
     assert turns == ["1", "2"]
     assert "greedy outputs identical (host tier off vs on): True (8/8 requests)" in out
-    assert "reproduce: python scripts/bench_host_tier.py --model tiny --conversations 4" in out
+    assert "reproduce: jaxkv bench host-tier --model tiny --conversations 4" in out
     assert (tmp_path / "h.png").exists()
 
 
@@ -103,7 +116,7 @@ def test_kv_capacity_small_run(capsys, tmp_path):
     """The capacity tables from the calculator (three presets) and the embedded model's own
     pool: int8 holds 1.97x / 3.94x the tokens of bf16 / fp32 at head_dim 128, the engine's
     bytes per token equal the calculator's, a 70B model is split over 2 devices."""
-    assert _load("kv_capacity").main([
+    assert kv_capacity.main([
         "--models", "smollm2-135m", "llama-3-8b", "llama-2-70b", "--engine-models", "tiny",
         "--engine-mib", "8", "--out", str(tmp_path / "k.png")]) == 0
     out = capsys.readouterr().out
@@ -118,5 +131,5 @@ def test_kv_capacity_small_run(capsys, tmp_path):
     assert "tiny (head_dim 32): engine bytes/token = calculator: True" in out
     engine = {ln[0]: ln for ln in lines if len(ln) == 8 and ln[0] in ("fp32", "bf16", "int8")}
     assert [engine[d][1] for d in ("fp32", "bf16", "int8")] == ["2,048", "1,024", "544"]
-    assert "reproduce: python scripts/kv_capacity.py --models smollm2-135m llama-3-8b" in out
+    assert "reproduce: jaxkv bench kv-capacity --models smollm2-135m llama-3-8b" in out
     assert (tmp_path / "k.png").exists()

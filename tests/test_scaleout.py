@@ -30,7 +30,7 @@ def test_multidevice_slow_suite_passes():
 
 
 def test_bench_scaleout_small_run():
-    run = subprocess.run([sys.executable, "scripts/bench_scaleout.py", "--devices", "4",
+    run = subprocess.run([sys.executable, "-m", "jaxkv.bench", "scaleout", "--devices", "4",
                           "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                           "--rows", "2"], env=dict(os.environ, JAX_PLATFORMS="cpu"),
                          capture_output=True, text=True, cwd=HERE.parent, timeout=900)
@@ -43,14 +43,14 @@ def test_bench_scaleout_small_run():
     # Llama-3-70B: 327,680 B/token (80 layers x 8 kv heads x 128 x 2 B x 2) over 16 chips
     # with every kv head stored twice, and over 8 GPUs once: 40,960 B either way.
     assert run.stdout.count(" 40,960 ") == 2
-    assert "reproduce: python scripts/bench_scaleout.py" in run.stdout
+    assert "reproduce: jaxkv bench scaleout --devices 4 --layers 1" in run.stdout
 
 
 def test_bench_disagg_small_run():
     """Disaggregated serving on 1 + 2 virtual devices: the tokens equal colocated serving's
     and the second request moves only the pages past the shared prefix (whole pages of it are
     in the decode side's prefix cache by then)."""
-    run = subprocess.run([sys.executable, "scripts/bench_disagg.py", "--requests", "2",
+    run = subprocess.run([sys.executable, "-m", "jaxkv.bench", "disagg", "--requests", "2",
                           "--shared", "32", "--unique", "8", "--max-tokens", "3",
                           "--decode-tp", "2", "--pages", "1,4", "--repeats", "1"],
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
@@ -65,4 +65,4 @@ def test_bench_disagg_small_run():
     assert cells[:3] == ["2", "2/2", "6"] and (moved, reused) in ((4, 2), (6, 0)), cells
     # bytes: pages x 16 tokens x 4 layers x 2 kv heads x (2 x 32 x 4 B)
     assert cells[5] == f"{moved * 16 * 4 * 2 * 256:,}"
-    assert "reproduce: python scripts/bench_disagg.py --requests 2" in run.stdout
+    assert "reproduce: jaxkv bench disagg --model tiny --requests 2 --shared 32" in run.stdout

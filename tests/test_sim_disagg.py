@@ -1,4 +1,4 @@
-"""scripts/sim_disagg.py and the modules it drives (step_models.py: step times; serving_sim.py:
+"""`jaxkv bench sim-disagg` and the modules it drives (step_models: step times; serving_sim:
 TTFT/TPOT of single requests worked out by hand from the model's coefficients, decode isolation
 under disaggregation), the goodput search, the CLI."""
 
@@ -7,12 +7,10 @@ import math
 import numpy as np
 import pytest
 from numpy.testing import assert_allclose
-from script_loader import load_script
 
-# in import order: each script imports the ones loaded before it
-step_models = load_script("step_models")
-core = load_script("serving_sim")
-sim = load_script("sim_disagg")
+from jaxkv.bench.sim import disagg as sim
+from jaxkv.bench.sim import serving_sim as core
+from jaxkv.bench.sim import step_models
 
 # a measured-kind model: t = a + b*T + c*R + d*C + e*A
 COEF = dict(a=0.01, b=1e-4, c=2e-3, d=1e-6, e=1e-8)
@@ -175,4 +173,4 @@ def test_small_run_prints_table_and_command(capsys, tmp_path):
     assert len(rows) == 2 and out.exists()
     goodputs = [float(r.split("|")[5]) for r in rows]
     assert all(g > 0 and math.isfinite(g) for g in goodputs)
-    assert "reproduce: python scripts/sim_disagg.py --hardware cpu" in text
+    assert "reproduce: jaxkv bench sim-disagg --hardware cpu" in text

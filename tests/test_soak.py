@@ -1,15 +1,16 @@
-"""The CI-sized soak: scripts/soak.py with a small pool and budget, everything accounted for."""
+"""The CI-sized soak: `jaxkv bench soak` with a small pool and budget, everything accounted
+for."""
 
 import re
 
-from script_loader import load_script
+from jaxkv.bench import soak
 
 
 def test_short_soak_loses_nothing_and_leaks_nothing(capsys):
     argv = ["--requests", "100", "--num-pages", "12", "--max-num-seqs", "4",
-            "--max-batched-tokens", "32", "--window", "50", "--verify", "5", "--no-warmup",
+            "--max-num-batched-tokens", "32", "--window", "50", "--verify", "5", "--no-warmup",
             "--abort-rate", "0.1", "--bad-rate", "0.05", "--n2-rate", "0.2"]
-    assert load_script("soak").main(argv) == 0
+    assert soak.main(argv) == 0
     out = capsys.readouterr().out
     done, completed, aborted, rejected = map(int, re.search(
         r"requests: (\d+) submitted = (\d+) completed \+ (\d+) aborted \+ (\d+) rejected",

@@ -18,34 +18,46 @@ recomputed (``computed_prompt_tokens``) and served from the device / host cache,
 (the engine's metric: first token - add_request, mean / p50 / p90 over the conversations),
 wall time, output tokens/s and host bytes in use.
 
-    python scripts/bench_host_tier.py [--model smollm2] [--conversations 32] [--turns 6]
+    jaxkv bench host-tier [--model smollm2] [--conversations 32] [--turns 6]
         [--new-tokens 32] [--kv-cache-dtype int8] [--host-gib 1] [--out out/bench_host_tier.png]
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import sys
 import time
 
-import jax
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common
 from jaxkv.engine.llm import kv_bytes_per_token
 from jaxkv.runtime.compiles import count_compiles
 
-
-def load(name: str):
-    if name == "tiny":
-        return jaxkv.load_default(), "embedded tiny model"
-    if name == "smollm2":
-        return jaxkv.load_pretrained("smollm2"), "SmolLM2-135M-Instruct (Q4_1 GGUF)"
-    return jaxkv.load_pretrained(name), name
+NAME = "host-tier"
 
 
-def run(engine: jaxkv.Engine, users: list[list[list[int]]], args) -> dict:
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="tiny",
+                        help="tiny (the embedded model), smollm2, or a checkpoint path")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--user-min", type=int, default=24, help="shortest user message")
+    parser.add_argument("--user-max", type=int, default=48, help="longest user message")
+    parser.add_argument("--new-tokens", type=int, default=32, help="reply tokens per turn")
+    parser.add_argument("--pool-convs", type=int, default=4,
+                        help="the device pool holds this many conversations' final histories")
+    parser.add_argument("--host-gib", type=float, default=None,
+                        help="host tier size (default: every conversation's history fits)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="PNG plot path, e.g. out/bench_host_tier.png")
+    # max_num_seqs is also the closed loop's requests in flight; num_pages and max_model_len
+    # come from the drawn lengths (--pool-convs)
+    common.add_engine_args(parser, max_num_seqs=4, page_size=16, max_num_batched_tokens=512,
+                           kv_cache_dtype="auto", num_pages=None, max_model_len=None)
+
+
+def serve(engine: jaxkv.Engine, users: list[list[list[int]]], args) -> dict:
     """Serves every turn (barrier between turns); per turn: TTFTs, prompt lengths, stat deltas."""
     sampling = jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     history = [[] for _ in users]
@@ -79,16 +91,8 @@ def run(engine: jaxkv.Engine, users: list[list[list[int]]], args) -> dict:
                 stats=engine.stats(), host_bytes_max=max(t["host_bytes"] for t in turns))
 
 
-def plot(path: str, res: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install jaxkv[plot])")
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+def _draw(axes, res: dict) -> None:
+    ax1, ax2 = axes
     colors = {"off": "tab:red", "on": "tab:green"}
     for mode, r in res.items():
         x = [t["turn"] for t in r["turns"]]
@@ -118,39 +122,16 @@ def plot(path: str, res: dict) -> None:
     ax2.set_ylabel("prompt tokens")
     ax2.set_title("prefill work per turn")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
 def _ms(x) -> str:  # seconds -> "12.3" ms
     return f"{x * 1e3:.1f}"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny",
-                        help="tiny (the embedded model), smollm2, or a checkpoint path")
-    parser.add_argument("--conversations", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--user-min", type=int, default=24, help="shortest user message")
-    parser.add_argument("--user-max", type=int, default=48, help="longest user message")
-    parser.add_argument("--new-tokens", type=int, default=32, help="reply tokens per turn")
-    parser.add_argument("--max-num-seqs", type=int, default=4,
-                        help="requests in flight (the closed loop) and engine max_num_seqs")
-    parser.add_argument("--pool-convs", type=int, default=4,
-                        help="the device pool holds this many conversations' final histories")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"))
-    parser.add_argument("--host-gib", type=float, default=None,
-                        help="host tier size (default: every conversation's history fits)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="PNG plot path, e.g. out/bench_host_tier.png")
-    args = parser.parse_args(argv)
+def run(args) -> dict:
     if not 0 < args.user_min <= args.user_max:
-        parser.error("need 0 < --user-min <= --user-max")
-    model, desc = load(args.model)
+        raise common.UsageError("need 0 < --user-min <= --user-max")
+    model, desc = common.load_model(args.model)
     cfg, ps = model.config, args.page_size
     rng = np.random.default_rng(args.seed)
     users = [[rng.integers(0, cfg.vocab_size, rng.integers(args.user_min, args.user_max + 1))
@@ -165,29 +146,29 @@ def main(argv=None) -> int:
         (sum(pages_of) + args.conversations * args.turns) * page_bytes
     max_len = -(-final[0] // ps) * ps
     if max_len > cfg.max_position_embeddings:
-        parser.error(f"the longest conversation has {final[0]} tokens; the model's context is "
-                     f"{cfg.max_position_embeddings}")
+        raise common.UsageError(f"the longest conversation has {final[0]} tokens; the model's "
+                                f"context is {cfg.max_position_embeddings}")
+
+    kw = common.engine_kwargs(args, num_pages=num_pages, max_model_len=max_len)
 
     def engine(host: int) -> jaxkv.Engine:
-        e = jaxkv.Engine(model, page_size=ps, num_pages=num_pages, max_num_seqs=args.max_num_seqs,
-                         max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_dtype=args.kv_cache_dtype, host_kv_cache_bytes=host)
+        e = jaxkv.Engine(model, **kw, host_kv_cache_bytes=host)
         e.warmup()
         return e
 
     # Untimed: the first turns of a few other conversations on a throwaway engine (the compiled
     # programs are shared), so first-run costs do not land on whichever configuration is first.
     spare = [[u[::-1] for u in users[c][:2]] for c in range(min(len(users), args.max_num_seqs))]
-    run(engine(host_bytes), spare, argparse.Namespace(**dict(vars(args), turns=len(spare[0]))))
+    serve(engine(host_bytes), spare, argparse.Namespace(**dict(vars(args), turns=len(spare[0]))))
     res = {}
     for mode, host in (("off", 0), ("on", host_bytes)):
         engine_ = engine(host)
         with count_compiles() as compiles:
-            res[mode] = run(engine_, users, args)
+            res[mode] = serve(engine_, users, args)
         res[mode]["compiles"] = compiles.count
 
     print(f"model: {desc}, {np.dtype(model.dtype).name} compute, KV {args.kv_cache_dtype}; "
-          f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})")
+          f"{common.device_line()}")
     print(f"workload: {args.conversations} conversations x {args.turns} turns, user messages "
           f"{args.user_min}-{args.user_max} tokens, {args.new_tokens} new tokens (greedy); final "
           f"history {final[-1]}-{final[0]} tokens; turns interleaved, requests in flight: "
@@ -234,17 +215,14 @@ def main(argv=None) -> int:
           f"{res['off']['wall'] / res['on']['wall']:.2f}x")
 
     if args.out:
-        plot(args.out, res)
-    host = f" --host-gib {args.host_gib}" if args.host_gib is not None else ""
-    out = f" --out {args.out}" if args.out else ""
-    print(f"\nreproduce: python scripts/bench_host_tier.py --model {args.model} --conversations "
-          f"{args.conversations} --turns {args.turns} --user-min {args.user_min} --user-max "
-          f"{args.user_max} --new-tokens {args.new_tokens} --max-num-seqs {args.max_num_seqs} "
-          f"--pool-convs {args.pool_convs} --page-size {ps} --max-num-batched-tokens "
-          f"{args.max_num_batched_tokens} --kv-cache-dtype {args.kv_cache_dtype}{host} "
-          f"--seed {args.seed}{out}")
-    return 0
+        common.save_plot(args.out, lambda fig, axes: _draw(axes, res), ncols=2, figsize=(11, 4))
+    return dict(engine=kw, host_bytes=host_bytes, outputs_identical=same == len(a) == len(b),
+                identical=same, requests=len(a),
+                **{mode: dict(wall_s=r["wall"], stats=r["stats"], compiles=r["compiles"],
+                              host_bytes_max=r["host_bytes_max"],
+                              turns=r["turns"])
+                   for mode, r in res.items()})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

@@ -1,4 +1,4 @@
-"""The discrete-event core of scripts/sim_disagg.py: request traces, chips, links, TTFT/TPOT.
+"""The discrete-event core of `jaxkv bench sim-disagg`: request traces, chips, links, TTFT/TPOT.
 
 Each chip runs steps back to back. A colocated chip is a jaxkv-style continuous-batching engine:
 a step takes every running decode (one token each), then prompt chunks under a token budget,
@@ -6,7 +6,7 @@ oldest first. Disaggregated, x prefill chips run prompt chunks only and y decode
 only; a finished prompt's KV crosses its prefill chip's link (FIFO: bytes / bandwidth +
 latency) before it joins a decode chip. The first token is sent when the prompt finishes
 (TTFT); the transfer is part of the gap before the second token (TPOT), as in both papers.
-A step's duration comes from a step-time model (scripts/step_models.py).
+A step's duration comes from a step-time model (`step_models`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import re
 from collections import deque
 
 import numpy as np
-from step_models import StepModel, chunk_pairs
+
+from jaxkv.bench.sim.step_models import StepModel, chunk_pairs
 
 # Workloads: lognormal lengths with the quoted mean (sharegpt) or median (long), sigma assumed.
 # sharegpt: mean prompt 161 / output 338 tokens, the vLLM paper's ShareGPT numbers (Kwon et al.,

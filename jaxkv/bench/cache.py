@@ -6,34 +6,25 @@ tokens/s of both paths and their ratio. One run of each path to the largest N se
 N: the time to the N-th token is read off the same run. Also reports single-stream decode
 speed against the weight-read bound (model bytes / measured memory bandwidth).
 
-    python scripts/bench_cache.py [--tokens 64 128 256 512] [--prompt-len 64]
+    jaxkv bench cache [--tokens 64 128 256 512] [--prompt-len 64]
 """
 
 from __future__ import annotations
 
-import argparse
-import platform
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common
+
+NAME = "cache"
 
 
-def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s, from a jitted reduction over a large f32 array."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+def add_arguments(parser) -> None:
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=12)
 
 
 def time_to_tokens(stats, counts):
@@ -41,12 +32,7 @@ def time_to_tokens(stats, counts):
     return {n: stats.token_times[stats.token_counts.index(n)] for n in counts}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=12)
-    args = parser.parse_args(argv)
+def run(args) -> dict:
     config = jaxkv.ModelConfig.bench(num_layers=args.layers)
     model = jaxkv.random_model(config, seed=0)
     n_max = max(args.tokens)
@@ -62,31 +48,32 @@ def main(argv=None) -> int:
                                                    exact_shapes=True)
     if cached != recomputed:
         print("error: cache and no-cache produced different tokens", file=sys.stderr)
-        return 1
+        return {"ok": False, "error": "cache and no-cache produced different tokens"}
     t_cache = time_to_tokens(cstats, args.tokens)
     t_none = time_to_tokens(rstats, args.tokens)
 
     print(f"model: {config.num_params() / 1e6:.0f}M params, {config.num_layers} layers, "
           f"hidden {config.hidden_size}, fp32; prompt {args.prompt_len} tokens; batch 1; "
-          f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})")
+          f"{common.device_line()}")
     print(f"\n{'N new':>6} {'cache tok/s':>12} {'no-cache tok/s':>15} {'speedup':>8}")
+    rows = []
     for n in sorted(args.tokens):
         a, b = n / t_cache[n], n / t_none[n]
+        rows.append(dict(new_tokens=n, cache_tok_s=a, no_cache_tok_s=b, speedup=a / b))
         print(f"{n:>6} {a:>12.1f} {b:>15.2f} {a / b:>7.1f}x")
 
     # Steady-state decode against the bandwidth bound: every step reads all weights once.
     steps = cstats.token_times
     per_token = (steps[-1] - steps[0]) / (len(steps) - 1)
-    bw = memory_bandwidth()
+    bw = common.memory_bandwidth()
     weight_bytes = config.num_params() * 4
     bound = bw / weight_bytes
     print(f"\nsingle-stream decode: {1 / per_token:.1f} tokens/s ({per_token * 1e3:.1f} ms/token)")
     print(f"weight-read bound: {weight_bytes / 1e6:.0f} MB / {bw / 1e9:.1f} GB/s measured = "
           f"{bound:.1f} tokens/s -> {100 / per_token / bound:.0f}% of bound")
-    print(f"\nreproduce: python scripts/bench_cache.py --tokens {' '.join(map(str, args.tokens))}"
-          f" --prompt-len {args.prompt_len}")
-    return 0
+    return dict(rows=rows, decode_s_per_token=per_token, bandwidth_bytes_s=bw,
+                weight_bytes=weight_bytes, bound_tok_s=bound)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

@@ -2,7 +2,7 @@
 
 On this machine both "meshes" are virtual CPU devices sharing the same cores and RAM, so the
 wall time of disaggregated vs colocated serving says nothing about a real pair of GPU or TPU
-slices (see scripts/sim_disagg.py for that). What is real and reported:
+slices (see `jaxkv bench sim-disagg` for that). What is real and reported:
 
 1. a trace of `--requests` requests (a shared system prefix of `--shared` tokens plus
    `--unique` tokens each, `--max-tokens` greedy tokens, one arriving per step) served
@@ -14,30 +14,43 @@ slices (see scripts/sim_disagg.py for that). What is real and reported:
    payload is ready), and to scatter them into the decode pool (receive), median of
    `--repeats`, with the bytes and the rate.
 
-    python scripts/bench_disagg.py [--model smollm2] [--requests 8] [--prefill-tp 1]
-        [--decode-tp 1] [--kv-cache-dtype int8]
+Asks for 8 virtual CPU devices before jax starts its backend: run it in a process of its own.
+
+    jaxkv bench disagg [--model smollm2] [--requests 8] [--prefill-tp 1] [--decode-tp 1]
+        [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
-import sys
 import time
 
-if "jax" not in sys.modules:  # virtual devices must be set before jax starts
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_host_tier import load  # noqa: E402  (tiny | smollm2 | a checkpoint path)
+from jaxkv import Engine, SamplingParams
+from jaxkv.bench import common
+from jaxkv.bench.scaleout import virtual_devices
+from jaxkv.engine.disagg import DisaggregatedEngine
+from jaxkv.sharding import make_mesh
 
-from jaxkv import Engine, SamplingParams  # noqa: E402
-from jaxkv.engine.disagg import DisaggregatedEngine  # noqa: E402
-from jaxkv.sharding import make_mesh  # noqa: E402
+NAME = "disagg"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--shared", type=int, default=96, help="system-prefix tokens")
+    p.add_argument("--unique", type=int, default=40, help="tokens of each request's own")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--pages", default="1,4,16,64", help="page counts for the mover timing")
+    p.add_argument("--repeats", type=int, default=5)
+    # every engine's (colocated, prefill, decode); prompts longer than the step's token
+    # budget prefill in chunks
+    common.add_engine_args(p, page_size=16, num_pages=256, max_num_seqs=8, max_model_len=512,
+                           max_num_batched_tokens=64, kv_cache_dtype="auto")
 
 
 def serve(engine, prompts, sp) -> dict:
@@ -73,34 +86,20 @@ def time_mover(engine: DisaggregatedEngine, n: int, repeats: int) -> tuple[float
     return float(np.median(send[1:])), float(np.median(receive[1:]))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--shared", type=int, default=96, help="system-prefix tokens")
-    p.add_argument("--unique", type=int, default=40, help="tokens of each request's own")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=64,
-                   help="the step's token budget: prompts longer than it prefill in chunks")
-    p.add_argument("--prefill-tp", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
-    p.add_argument("--pages", default="1,4,16,64", help="page counts for the mover timing")
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args(argv)
+def run(args) -> dict:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    virtual_devices(8)
     if args.prefill_tp + args.decode_tp > jax.device_count():
-        p.error(f"--prefill-tp + --decode-tp exceeds the {jax.device_count()} devices")
-    model, what = load(args.model)
+        raise common.UsageError(f"--prefill-tp + --decode-tp exceeds the {jax.device_count()} "
+                                "devices")
+    model, what = common.load_model(args.model)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     shared = rng.integers(10, vocab, args.shared).tolist()
     prompts = [shared + rng.integers(10, vocab, args.unique).tolist()
                for _ in range(args.requests)]
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    shape = dict(page_size=args.page_size, num_pages=256, max_num_seqs=8, max_model_len=512,
-                 max_num_batched_tokens=args.max_num_batched_tokens,
-                 kv_cache_dtype=args.kv_cache_dtype)
+    shape = common.engine_kwargs(args)
     devices = jax.devices()
     colocated = serve(Engine(model, **shape), prompts, sp)
     prefill = Engine(model, mesh=make_mesh(args.prefill_tp, devices[:args.prefill_tp]), **shape)
@@ -112,8 +111,6 @@ def main(argv=None) -> int:
     print(f"# Prefill/decode disaggregation on virtual CPU devices: {what}, "
           f"kv_cache_dtype={args.kv_cache_dtype}, prefill tp={args.prefill_tp}, "
           f"decode tp={args.decode_tp}")
-    print(f"# jax {jax.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores")
     print()
     t = engine.transfers
     prompt_pages = sum(-(-len(q) // args.page_size) for q in prompts)
@@ -127,15 +124,16 @@ def main(argv=None) -> int:
     print()
     print("| pages | bytes | send (gather + put), ms | receive (scatter), ms | MB/s end to end |")
     print("|---|---|---|---|---|")
+    mover = []
     for n in (int(x) for x in args.pages.split(",")):
         send, receive = time_mover(engine, n, args.repeats)
         nbytes = n * engine.mover.page_bytes
+        mover.append(dict(pages=n, bytes=nbytes, send_s=send, receive_s=receive))
         print(f"| {n} | {nbytes:,} | {send * 1e3:.2f} | {receive * 1e3:.2f} "
               f"| {nbytes / (send + receive) / 1e6:.0f} |")
-    print()
-    print("reproduce: python scripts/bench_disagg.py " + " ".join(argv or sys.argv[1:]))
-    return 0 if same == len(colocated) else 1
+    return dict(ok=same == len(colocated), identical=same, requests=len(colocated),
+                prompt_pages=prompt_pages, transfers=t, mover=mover)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

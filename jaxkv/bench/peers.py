@@ -7,7 +7,8 @@ checkpoint, and runs four engine-independent workloads through:
 - transformers ``generate`` (KV cache, static batching: each workload's concurrent prompts in
   one left-padded, masked batch);
 - transformers continuous batching (``generate_batch``, paged);
-- jaxkv ``Engine`` tuned (max_model_len 1024, 2,048 pages, 512 tokens per step);
+- jaxkv ``Engine`` tuned (the engine settings below: max_model_len 1024, 2,048 pages, 512
+  tokens per step);
 - jaxkv ``LLM(model)`` with every default.
 
 Workloads (greedy, EOS ignored, every request generates exactly its new tokens):
@@ -21,27 +22,41 @@ Workloads (greedy, EOS ignored, every request generates exactly its new tokens):
 Reports generated tokens/s, mean TTFT and mean TPOT (medians over --repeats runs after a
 warm-up run), the ratio to transformers generate, whether greedy tokens agree, and a PNG.
 
-    python scripts/bench_peers.py [--repeats 3] [--threads 2] [--workloads single batch ...]
-                                  [--engines hf hf_cb jaxkv llm] [--out out/bench_peers.png]
+    jaxkv bench peers [--repeats 3] [--threads 2] [--workloads single batch ...]
+                      [--engines hf hf_cb jaxkv llm] [--out out/bench_peers.png]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import itertools
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common, hf
 from jaxkv.model.loading import save_params
 
+NAME = "peers"
 WORKLOADS = ("single", "batch", "shared_prefix", "multiturn")
 ENGINES = {"hf": "transformers generate", "hf_cb": "transformers continuous batching",
            "jaxkv": "jaxkv Engine (tuned)", "llm": "jaxkv LLM(model) defaults"}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--out", default="out/bench_peers.png")
+    # the tuned jaxkv Engine's settings (the LLM column keeps every default)
+    common.add_engine_args(parser, page_size=16, num_pages=2048, max_model_len=1024,
+                           max_num_batched_tokens=512)
 
 
 def make_workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], int]]:
@@ -100,57 +115,6 @@ def run_rounds(rounds, generate_round) -> Run:
     return Run(time.perf_counter() - t0, generated, ttft, tpot, tokens)
 
 
-# ---- transformers ------------------------------------------------------------------------
-
-def hf_generate_round(hf, prompts, new, pad_id=0):
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    times = []
-
-    class Clock:  # a streamer: the time each step's tokens come out (the first: the prompt)
-        def put(self, _):
-            times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                          max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id,
-                          streamer=Clock())
-    first = times[1] - t if len(times) > 1 else times[-1] - t
-    tpot = (times[-1] - times[1]) / max(new - 1, 1) if len(times) > 2 else 0.0
-    outs = [out[row, width:].tolist() for row in range(len(prompts))]
-    return outs, [first] * len(prompts), [tpot] * len(prompts)
-
-
-def hf_cb_round(hf, prompts, new):
-    import transformers
-
-    config = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new,
-                                           do_sample=False, eos_token_id=None, pad_token_id=0)
-    res = hf.generate_batch(prompts, generation_config=config, record_timestamps=True,
-                            progress_bar=False, warmup=False)
-    by_prompt = sorted(res.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
-    outs, ttft, tpot = [], [], []
-    for r in by_prompt:
-        outs.append(list(r.generated_tokens)[:new])
-        ts = r.timestamps or []
-        if ts:
-            ttft.append(ts[0] - r.created_time)
-            tpot.append((ts[-1] - ts[0]) / max(len(ts) - 1, 1))
-    return outs, ttft, tpot
-
-
-# ---- jaxkv -------------------------------------------------------------------------------
-
 def jaxkv_round(engine, prompts, new, counter):
     sp = jaxkv.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     ids = []
@@ -169,25 +133,19 @@ def jaxkv_round(engine, prompts, new, counter):
     return outs, ttft, tpot
 
 
-def build_engines(names, model, folder, threads):
-    import itertools
-
+def build_engines(names, model, folder, threads, tuned: dict):
+    """name -> generate_round for each engine, and (programs, warmup seconds) of jaxkv's."""
     runners, setup = {}, {}
     if "hf" in names or "hf_cb" in names:
-        import torch
-        import transformers
-
-        torch.set_num_threads(threads)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model_hf = hf.load(folder, threads)
         if "hf" in names:
-            runners["hf"] = lambda p, n: hf_generate_round(hf, p, n)
+            runners["hf"] = lambda p, n: hf.generate_round(model_hf, p, n)
         if "hf_cb" in names:
-            runners["hf_cb"] = lambda p, n: hf_cb_round(hf, p, n)
+            runners["hf_cb"] = lambda p, n: hf.continuous_batching_round(model_hf, p, n)
     counter = itertools.count()
     if "jaxkv" in names:
         t = time.perf_counter()
-        engine = jaxkv.Engine(model, page_size=16, num_pages=2048, max_model_len=1024,
-                              max_num_batched_tokens=512)
+        engine = jaxkv.Engine(model, **tuned)
         setup["jaxkv"] = (engine.warmup(), time.perf_counter() - t)
         runners["jaxkv"] = lambda p, n: jaxkv_round(engine, p, n, counter)
     if "llm" in names:
@@ -198,13 +156,7 @@ def build_engines(names, model, folder, threads):
     return runners, setup
 
 
-def save_plot(path, table, workloads, engines):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+def _draw(ax, table, workloads, engines) -> None:
     width = 0.8 / len(engines)
     for j, e in enumerate(engines):
         vals = [table[(w, e)].generated / table[(w, e)].seconds if (w, e) in table else 0
@@ -214,31 +166,15 @@ def save_plot(path, table, workloads, engines):
     ax.set_ylabel("generated tokens / s")
     ax.set_title("jaxkv vs transformers, 125M fp32 Llama, CPU")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--out", default="out/bench_peers.png")
-    args = parser.parse_args(argv)
-
-    heads = args.hidden // 64
-    config = jaxkv.ModelConfig(vocab_size=32000, hidden_size=args.hidden,
-                               intermediate_size=2048 * args.hidden // 768,
-                               num_layers=args.layers, num_heads=heads,
-                               num_kv_heads=max(1, heads // 3), head_dim=64,
-                               tie_word_embeddings=False, max_position_embeddings=4096)
+def run(args) -> dict:
+    config = common.peer_config(args.layers, args.hidden)
     model = jaxkv.random_model(config, seed=0)
     with tempfile.TemporaryDirectory() as folder:
         save_params(model.module(), folder)
-        runners, setup = build_engines(args.engines, model, folder, args.threads)
+        runners, setup = build_engines(args.engines, model, folder, args.threads,
+                                       common.engine_kwargs(args))
 
     table: dict[tuple[str, str], Run] = {}  # the median run
     first: dict[tuple[str, str], Run] = {}  # the run on seed 0, for comparing tokens
@@ -256,21 +192,24 @@ def main(argv=None) -> int:
           f"threads {args.threads}; medians of {args.repeats} after a warm-up")
     for e, (n, sec) in setup.items():
         print(f"{ENGINES[e]}: warmup compiled {n} programs in {sec:.1f} s")
-    head = "| workload | " + " | ".join(ENGINES[e] for e in args.engines) + " |"
-    print(head)
+    print("| workload | " + " | ".join(ENGINES[e] for e in args.engines) + " |")
     print("|" + "---|" * (len(args.engines) + 1))
+    cells_json = {}
     for w in args.workloads:
         cells = []
         base = table.get((w, "hf"))
         for e in args.engines:
             r = table[(w, e)]
             tps = r.generated / r.seconds
+            cells_json[(w, e)] = dict(tok_s=tps, ttft_s=statistics.mean(r.ttft),
+                                      tpot_s=statistics.mean(r.tpot), seconds=r.seconds)
             cell = (f"{tps:.1f} tok/s (TTFT {statistics.mean(r.ttft):.2f} s, TPOT "
                     f"{1e3 * statistics.mean(r.tpot):.0f} ms)")
             if base is not None and e != "hf":
                 cell += f" {tps / (base.generated / base.seconds):.2f}x"
             cells.append(cell)
         print(f"| {w} | " + " | ".join(cells) + " |")
+    agree = {}
     if "hf" in args.engines:
         for e in args.engines:
             if e == "hf":
@@ -280,13 +219,14 @@ def main(argv=None) -> int:
                 for a, b in zip(first[(w, "hf")].tokens, first[(w, e)].tokens, strict=True):
                     total += 1
                     same += a == b
+            agree[e] = dict(identical=same, requests=total)
             print(f"greedy tokens, {ENGINES[e]} vs transformers generate: {same}/{total} "
                   "requests identical")
-    save_plot(args.out, table, args.workloads, args.engines)
-    print(f"plot: {args.out}")
-    print("reproduce: python scripts/bench_peers.py " + " ".join(argv or sys.argv[1:]))
-    return 0
+    common.save_plot(args.out, lambda fig, ax: _draw(ax, table, args.workloads, args.engines),
+                     figsize=(9, 4.5))
+    return dict(warmup={e: dict(programs=n, seconds=s) for e, (n, s) in setup.items()},
+                table=cells_json, greedy_vs_hf=agree)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

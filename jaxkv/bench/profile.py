@@ -1,51 +1,51 @@
 """Where a decode step's time goes: host work against device work, and the sampler's share.
 
 1. Host profile: a batch of --batch requests decoding on the 125M-parameter fp32 Llama of
-   `bench_peers.py`; every `Engine.step` is split into host time (scheduling, batch building,
+   `bench peers`; every `Engine.step` is split into host time (scheduling, batch building,
    reservation, dispatch, and applying the tokens) and the wait for the device's tokens.
-   Reported per decode step (a decode loop runs several).
+   Reported per decode step (a decode loop runs several: --max-decode-steps).
 2. Sampler: the same model with a 128,256-token vocabulary (Llama-3's), batch 32, one decode
    step of greedy rows against one of temperature-1 rows (inverse-CDF sampling), and top-p
    0.9 rows (candidate set), and `sample` alone on [32, 128256] logits.
-
 3. Width: 8 sequences of <= 50 tokens decoding at max_model_len 64 and 8192.
 4. Attention: the CPU decode reference over the model's 12 layers of paged KV (--batch rows
    of ~--prompt-len tokens), against gathering the same pages alone, and against reading
    them once at the measured memory bandwidth.
 
-    python scripts/profile_runtime.py [--parts host sampler width attention] [--batch 32]
+    jaxkv bench profile [--parts host sampler width attention] [--batch 32]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common
 from jaxkv.runtime.sampling import SamplingArrays, sample
+from pallas_kernels import paged_decode_attention_reference
+
+NAME = "profile"
 
 
-def model_config(vocab: int, layers: int = 12) -> jaxkv.ModelConfig:
-    return jaxkv.ModelConfig(vocab_size=vocab, hidden_size=768, intermediate_size=2048,
-                             num_layers=layers, num_heads=12, num_kv_heads=4, head_dim=64,
-                             tie_word_embeddings=False, max_position_embeddings=4096)
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--parts", nargs="+", default=["host", "sampler", "width"],
+                        choices=["host", "sampler", "width", "attention"])
+    # the host part's engine (the other parts fix theirs)
+    common.add_engine_args(parser, num_pages=2048, max_model_len=1024, max_decode_steps=8)
 
 
-class Clock:
-    def __init__(self):
-        self.host = self.wait = 0.0
-
-
-def host_profile(args) -> None:
-    model = jaxkv.random_model(model_config(32000, args.layers), seed=0)
-    engine = jaxkv.Engine(model, num_pages=2048, max_model_len=1024,
-                          max_decode_steps=args.decode_steps)
+def host_profile(args) -> dict:
+    model = jaxkv.random_model(common.peer_config(args.layers), seed=0)
+    kw = common.engine_kwargs(args)
+    engine = jaxkv.Engine(model, **kw)
     engine.warmup()
     rng = np.random.default_rng(0)
     sp = jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -55,7 +55,8 @@ def host_profile(args) -> None:
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
             engine.scheduler.waiting:  # prefill everything first
         engine.step()
-    clock, steps_before = Clock(), engine.stats().steps
+    host = wait = 0.0
+    steps_before = engine.stats().steps
     wall = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -70,22 +71,23 @@ def host_profile(args) -> None:
             t2 = t1
             engine.collect((outputs, plan, read, error))
         t3 = time.perf_counter()
-        clock.host += (t1 - t0) + (t3 - t2)
-        clock.wait += t2 - t1
+        host += (t1 - t0) + (t3 - t2)
+        wait += t2 - t1
     wall = time.perf_counter() - wall
     steps = engine.stats().steps - steps_before
     print(f"host profile: batch {args.batch}, {args.layers} layers, prompts {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, max_decode_steps {args.decode_steps}, "
+          f"{args.new_tokens} new tokens, max_decode_steps {kw.get('max_decode_steps')}, "
           f"async_scheduling {engine.async_scheduling}")
     print(f"  {steps} decode steps in {wall:.2f} s: {1e3 * wall / steps:.1f} ms per step")
-    print(f"  host work      {1e3 * clock.host / steps:7.2f} ms per step "
-          f"({100 * clock.host / wall:.1f}% of the wall time)")
-    print(f"  device wait    {1e3 * clock.wait / steps:7.2f} ms per step")
+    print(f"  host work      {1e3 * host / steps:7.2f} ms per step "
+          f"({100 * host / wall:.1f}% of the wall time)")
+    print(f"  device wait    {1e3 * wait / steps:7.2f} ms per step")
+    return dict(steps=steps, wall_s=wall, host_s=host, wait_s=wait)
 
 
-def sampler_profile(args) -> None:
+def sampler_profile(args) -> dict:
     vocab, b = 128256, 32
-    model = jaxkv.random_model(model_config(vocab, args.layers), seed=0)
+    model = jaxkv.random_model(common.peer_config(args.layers, vocab=vocab), seed=0)
     engine = jaxkv.Engine(model, num_pages=1024, max_model_len=512, max_num_seqs=b,
                           max_decode_steps=8)
     rng = np.random.default_rng(0)
@@ -128,16 +130,18 @@ def sampler_profile(args) -> None:
         print(f"  {name:<14} decode step {1e3 * times[name]:7.1f} ms (+{1e3 * extra:5.1f} ms vs "
               f"greedy: {100 * extra / times[name]:4.1f}%); sample() alone "
               f"{1e3 * alone[name]:5.1f} ms ({100 * alone[name] / times[name]:4.1f}%)")
+    return dict(decode_step_s=times, sample_alone_s=alone)
 
 
-def width_profile(args) -> None:
+def width_profile(args) -> dict:
     """Decode step time for short sequences against max_model_len (the page table's width)."""
-    cfg = dataclasses.replace(model_config(32000, args.layers), max_position_embeddings=8192)
+    cfg = dataclasses.replace(common.peer_config(args.layers), max_position_embeddings=8192)
     model = jaxkv.random_model(cfg, seed=0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 32000, 30).tolist() for _ in range(8)]
     sp = jaxkv.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     print(f"width: 8 sequences of <= 50 tokens, {args.layers} layers")
+    out = {}
     for max_len in (64, 8192):
         engine = jaxkv.Engine(model, num_pages=256, max_model_len=max_len, max_num_seqs=8)
         engine.warmup()
@@ -147,9 +151,10 @@ def width_profile(args) -> None:
         before, t = engine.stats().steps, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
-        per = (time.perf_counter() - t) / (engine.stats().steps - before)
+        out[max_len] = per = (time.perf_counter() - t) / (engine.stats().steps - before)
         print(f"  max_model_len {max_len:5d} (page table width {engine.max_pages_per_seq:4d}): "
               f"{1e3 * per:.1f} ms per decode step")
+    return dict(decode_step_s=out)
 
 
 def _best_of(fn, *args, repeats: int = 5) -> float:
@@ -162,14 +167,9 @@ def _best_of(fn, *args, repeats: int = 5) -> float:
     return best
 
 
-def attention_profile(args) -> None:
+def attention_profile(args) -> dict:
     """Decode attention alone: the reference, the page gather inside it, and the bound."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling bench_cache.py
-    from bench_cache import memory_bandwidth
-
-    from pallas_kernels import paged_decode_attention_reference
-
-    cfg = model_config(32000, args.layers)
+    cfg = common.peer_config(args.layers)
     layers, k, d, s = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16
     b, ctx = args.batch, args.prompt_len
     rng = np.random.default_rng(0)
@@ -200,31 +200,24 @@ def attention_profile(args) -> None:
     t_gather = _best_of(gather, pool, table)
     flat = pool.transpose(0, 2, 1, 3, 4).reshape(layers, pool.shape[2], -1)
     t_page_major = _best_of(gather_page_major, flat, table)
-    bound = kv_bytes / memory_bandwidth()
+    bound = kv_bytes / common.memory_bandwidth()
     print(f"attention: decode, batch {b}, ~{ctx} tokens of context, {layers} layers, "
           f"{kv_bytes / 1e6:.0f} MB of KV")
     print(f"  reference attention {1e3 * t_ref:6.1f} ms; the page gather alone "
           f"{1e3 * t_gather:6.1f} ms; reading the KV once at the measured bandwidth "
           f"{1e3 * bound:5.1f} ms")
     print(f"  the same gather from a page-major pool [L, P, K*S*2D]: {1e3 * t_page_major:6.1f} ms")
+    return dict(kv_bytes=kv_bytes, reference_s=t_ref, gather_s=t_gather,
+                gather_page_major_s=t_page_major, bandwidth_bound_s=bound)
+
+
+PARTS = {"host": host_profile, "sampler": sampler_profile, "width": width_profile,
+         "attention": attention_profile}
+
+
+def run(args) -> dict:
+    return {part: PARTS[part](args) for part in args.parts}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--decode-steps", type=int, default=8)
-    parser.add_argument("--parts", nargs="+", default=["host", "sampler", "width"],
-                        choices=["host", "sampler", "width", "attention"])
-    args = parser.parse_args(argv)
-    for part in args.parts:
-        {"host": host_profile, "sampler": sampler_profile, "width": width_profile,
-         "attention": attention_profile}[part](args)
-    print("reproduce: python scripts/profile_runtime.py " + " ".join(argv or sys.argv[1:]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return common.main(NAME, argv)

@@ -19,23 +19,41 @@ with False, on fresh engines:
 TTFT is the engine's own metric (first token time - add_request time), queueing included.
 Every workload runs once untimed first on a same-shaped engine, so compilation is excluded.
 
-    python scripts/bench_prefix_cache.py [--layers 12] [--hidden 768] [--prefix 512]
-        [--suffix 16] [--requests 16] [--convs 4] [--turns 6] [--user 32] [--reply 32]
+    jaxkv bench prefix-cache [--layers 12] [--hidden 768] [--prefix 512] [--suffix 16]
+        [--requests 16] [--convs 4] [--turns 6] [--user 32] [--reply 32]
         [--out bench_prefix_cache.png]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import platform
 import statistics
-import sys
 
-import jax
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common
+
+NAME = "prefix-cache"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768,
+                        help="hidden size (heads = hidden / 64, MLP = hidden * 8/3)")
+    parser.add_argument("--prefix", type=int, default=512)
+    parser.add_argument("--suffix", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated in (a)")
+    parser.add_argument("--convs", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--user", type=int, default=32, help="tokens of each user message")
+    parser.add_argument("--reply", type=int, default=32, help="tokens of each reply in (b)")
+    parser.add_argument("--out", default="bench_prefix_cache.png")
+    # num_pages, max_num_seqs and max_model_len, by default: room for every workload's KV
+    # with nothing evicted; prefix caching is what the bench turns on and off
+    common.add_engine_args(parser, page_size=16, max_num_batched_tokens=512, num_pages=None,
+                           max_num_seqs=None, max_model_len=None)
 
 
 @dataclasses.dataclass
@@ -110,82 +128,8 @@ def _pct(a, b) -> str:
     return f"{100 * a / b:.1f}%" if b else "-"
 
 
-def plot(path: str, a: dict, b: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install jaxkv[plot])")
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    means = [statistics.mean(r.ttft for r in a[m]["warm"]) * 1e3 for m in ("on", "off")]
-    bars = ax1.bar(["caching on", "caching off"], means, color=["tab:green", "tab:red"])
-    ax1.bar_label(bars, fmt="%.0f ms")
-    ax1.set_ylabel("mean TTFT (ms)")
-    ax1.set_title(f"(a) shared prefix: {len(a['on']['warm'])} concurrent requests")
-    for mode, color in (("on", "tab:green"), ("off", "tab:red")):
-        turns = b[mode]
-        ax2.plot([t["turn"] for t in turns], [t["ttft"] * 1e3 for t in turns], "o-",
-                 color=color, label=f"caching {mode}")
-    ax2.set_xticks([t["turn"] for t in b["on"]])
-    ax2.set_xlabel("turn (history grows each turn)")
-    ax2.set_ylabel("mean TTFT (ms)")
-    ax2.set_title("(b) multi-turn chat")
-    ax2.set_ylim(bottom=0)
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768,
-                        help="hidden size (heads = hidden / 64, MLP = hidden * 8/3)")
-    parser.add_argument("--prefix", type=int, default=512)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated in (a)")
-    parser.add_argument("--convs", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--user", type=int, default=32, help="tokens of each user message")
-    parser.add_argument("--reply", type=int, default=32, help="tokens of each reply in (b)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-batched-tokens", type=int, default=512)
-    parser.add_argument("--out", default="bench_prefix_cache.png")
-    args = parser.parse_args(argv)
-    config = jaxkv.ModelConfig.bench(num_layers=args.layers, hidden_size=args.hidden)
-    model = jaxkv.random_model(config, seed=0)
-    vocab, ps = config.vocab_size, args.page_size
-    longest = args.user * args.turns + args.reply * args.turns
-    # Room for every workload's KV with nothing evicted (each sequence may copy one page).
-    num_pages = max(args.requests * (-(-(args.prefix + args.suffix + args.max_tokens) // ps) + 1),
-                    2 * args.convs * (-(-longest // ps) + 1) * args.turns) + 8
-    max_len = max(args.prefix + args.suffix + args.max_tokens, longest)
-    max_len = -(-max_len // ps) * ps
-
-    def engine(caching: bool) -> jaxkv.Engine:
-        return jaxkv.Engine(model, page_size=ps, num_pages=num_pages,
-                            max_num_seqs=max(args.requests, args.convs), max_model_len=max_len,
-                            max_num_batched_tokens=args.max_batched_tokens,
-                            enable_prefix_caching=caching)
-
-    a, b = {}, {}
-    for mode, caching in (("on", True), ("off", False)):
-        # Untimed pass: same shapes on a same-shaped engine (the jitted steps are shared).
-        shared_prefix(engine(caching), args, vocab, seed=1)
-        multi_turn(engine(caching), args, vocab, seed=1)
-        a[mode] = shared_prefix(engine(caching), args, vocab, seed=0)
-        b[mode] = multi_turn(engine(caching), args, vocab, seed=0)
-
-    print(f"model: {config.num_params() / 1e6:.0f}M params, {config.num_layers} layers, "
-          f"hidden {config.hidden_size}, fp32; page_size {ps}, max_num_batched_tokens "
-          f"{args.max_batched_tokens}; {jax.devices()[0].device_kind} "
-          f"({platform.processor() or platform.machine()})")
-
+def report(a: dict, b: dict, args) -> dict:
+    """Prints the tables of (a) and (b), caching on against off; returns their numbers."""
     print(f"\n(a) shared prefix: {args.requests} requests = {args.prefix}-token prefix + "
           f"{args.suffix}-token distinct suffix, max_tokens {args.max_tokens}; request 1 "
           f"alone (cold), then {args.requests - 1} at once")
@@ -199,10 +143,10 @@ def main(argv=None) -> int:
               f"ms {statistics.median(t) * 1e3:>10.0f}ms {r['computed']:>9} {r['cached']:>7} "
               f"{r['max_cached']:>11} {_pct(r['cached'], total):>9} "
               f"{_pct(r['max_cached'], r['prompt_tokens']):>9}")
-    on_t = statistics.mean(x.ttft for x in a["on"]["warm"])
-    off_t = statistics.mean(x.ttft for x in a["off"]["warm"])
+    mean = {m: statistics.mean(x.ttft for x in a[m]["warm"]) for m in ("on", "off")}
+    median = {m: statistics.median(x.ttft for x in a[m]["warm"]) for m in ("on", "off")}
     print(f"TTFT ratio (off / on, mean over the {args.requests - 1} concurrent requests): "
-          f"{off_t / on_t:.1f}x; median {statistics.median(x.ttft for x in a['off']['warm']) / statistics.median(x.ttft for x in a['on']['warm']):.1f}x")  # noqa: E501
+          f"{mean['off'] / mean['on']:.1f}x; median {median['off'] / median['on']:.1f}x")
     print(f"cached tokens = theoretical max with caching on: "
           f"{a['on']['cached'] == a['on']['max_cached']} ({a['on']['cached']} / "
           f"{a['on']['max_cached']})")
@@ -231,14 +175,63 @@ def main(argv=None) -> int:
     pre = sum(a[m]["preemptions"] + sum(t["preemptions"] for t in b[m]) for m in ("on", "off"))
     if pre:
         print(f"note: {pre} preemptions happened (the cache was too small)")
-
-    plot(args.out, a, b)
-    print(f"\nreproduce: python scripts/bench_prefix_cache.py --layers {args.layers} --hidden "
-          f"{args.hidden} --prefix {args.prefix} --suffix {args.suffix} --requests "
-          f"{args.requests} --max-tokens {args.max_tokens} --convs {args.convs} --turns "
-          f"{args.turns} --user {args.user} --reply {args.reply} --out {args.out}")
-    return 0
+    counts = {m: {k: v for k, v in a[m].items() if k not in ("cold", "warm")} for m in a}
+    return dict(shared_prefix={m: dict(counts[m], cold_ttft=a[m]["cold"].ttft,
+                                       warm_ttft=[x.ttft for x in a[m]["warm"]]) for m in a},
+                multi_turn=b, preemptions=pre)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _draw(axes, a: dict, b: dict) -> None:
+    ax1, ax2 = axes
+    means = [statistics.mean(r.ttft for r in a[m]["warm"]) * 1e3 for m in ("on", "off")]
+    bars = ax1.bar(["caching on", "caching off"], means, color=["tab:green", "tab:red"])
+    ax1.bar_label(bars, fmt="%.0f ms")
+    ax1.set_ylabel("mean TTFT (ms)")
+    ax1.set_title(f"(a) shared prefix: {len(a['on']['warm'])} concurrent requests")
+    for mode, color in (("on", "tab:green"), ("off", "tab:red")):
+        turns = b[mode]
+        ax2.plot([t["turn"] for t in turns], [t["ttft"] * 1e3 for t in turns], "o-",
+                 color=color, label=f"caching {mode}")
+    ax2.set_xticks([t["turn"] for t in b["on"]])
+    ax2.set_xlabel("turn (history grows each turn)")
+    ax2.set_ylabel("mean TTFT (ms)")
+    ax2.set_title("(b) multi-turn chat")
+    ax2.set_ylim(bottom=0)
+    ax2.legend()
+
+
+def run(args) -> dict:
+    config = jaxkv.ModelConfig.bench(num_layers=args.layers, hidden_size=args.hidden)
+    model = jaxkv.random_model(config, seed=0)
+    vocab, ps = config.vocab_size, args.page_size
+    longest = args.user * args.turns + args.reply * args.turns
+    # Room for every workload's KV with nothing evicted (each sequence may copy one page).
+    num_pages = max(args.requests * (-(-(args.prefix + args.suffix + args.max_tokens) // ps) + 1),
+                    2 * args.convs * (-(-longest // ps) + 1) * args.turns) + 8
+    max_len = max(args.prefix + args.suffix + args.max_tokens, longest)
+    kw = common.engine_kwargs(args, num_pages=num_pages,
+                              max_num_seqs=max(args.requests, args.convs),
+                              max_model_len=-(-max_len // ps) * ps)
+
+    def engine(caching: bool) -> jaxkv.Engine:
+        return jaxkv.Engine(model, **kw, enable_prefix_caching=caching)
+
+    a, b = {}, {}
+    for mode, caching in (("on", True), ("off", False)):
+        # Untimed pass: same shapes on a same-shaped engine (the jitted steps are shared).
+        shared_prefix(engine(caching), args, vocab, seed=1)
+        multi_turn(engine(caching), args, vocab, seed=1)
+        a[mode] = shared_prefix(engine(caching), args, vocab, seed=0)
+        b[mode] = multi_turn(engine(caching), args, vocab, seed=0)
+
+    print(f"model: {config.num_params() / 1e6:.0f}M params, {config.num_layers} layers, "
+          f"hidden {config.hidden_size}, fp32; page_size {ps}, max_num_batched_tokens "
+          f"{kw['max_num_batched_tokens']}; {common.device_line()}")
+    results = report(a, b, args)
+    common.save_plot(args.out, lambda fig, axes: _draw(axes, a, b),
+                     ncols=2, figsize=(11, 4))
+    return dict(results, engine=kw)
+
+
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

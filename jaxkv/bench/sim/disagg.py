@@ -1,29 +1,26 @@
-"""Prefill/decode disaggregation (Splitwise, DistServe) vs colocated serving: a discrete-event
-simulation driven by step-time models, reporting TTFT/TPOT, SLO attainment and goodput.
+"""Prefill/decode disaggregation vs colocated serving, simulated: SLO attainment and goodput.
 
-This file holds the scenarios, the goodput search, the report (table + PNG) and the CLI; the
-event loop is scripts/serving_sim.py, the step-time models (and their measurement)
-scripts/step_models.py.
+Splitwise/DistServe disaggregation against colocated serving: a discrete-event simulation
+driven by step-time models, reporting TTFT/TPOT, SLO attainment and goodput.
 
-    python scripts/sim_disagg.py                    # tables + docs/plots/sim_disagg.png
-    python scripts/sim_disagg.py --measure          # = python scripts/step_models.py
+This module holds the scenarios, the goodput search and the report (table + PNG) of
+`jaxkv bench sim-disagg`; the event loop is `serving_sim`, the step-time models (and their
+measurement) `step_models`.
+
+    jaxkv bench sim-disagg                  # tables + docs/plots/sim_disagg.png
+    jaxkv bench sim-disagg --measure        # refit scripts/data/step_models.json
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
-SCRIPTS = Path(__file__).resolve().parent
-if str(SCRIPTS) not in sys.path:  # for the sibling modules, also when a test loads this by path
-    sys.path.append(str(SCRIPTS))
-
-import step_models  # noqa: E402
-from serving_sim import (  # noqa: E402
+from jaxkv.bench import common
+from jaxkv.bench.sim import step_models
+from jaxkv.bench.sim.serving_sim import (
     WORKLOADS,
     Result,
     base_trace,
@@ -31,10 +28,10 @@ from serving_sim import (  # noqa: E402
     requests_at,
     simulate,
 )
-from step_models import DATA, StepModel, load_models  # noqa: E402
+from jaxkv.bench.sim.step_models import DATA, StepModel, load_models
 
-ROOT = SCRIPTS.parent
-PLOT = ROOT / "docs" / "plots" / "sim_disagg.png"
+NAME = "sim-disagg"
+PLOT = common.REPO / "docs" / "plots" / "sim_disagg.png"
 TARGET = 0.9  # DistServe: goodput is the highest rate at which >= 90% of requests meet both SLOs
 
 # Scenarios: workload, SLOs as multiples of the unloaded single-request times of the hardware
@@ -109,17 +106,11 @@ def study(model: StepModel, scenario: dict, configs: list[str], *, requests: int
     return (ttft_slo, tpot_slo), out
 
 
-def _plot(panels, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _draw(fig, axes, panels) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     hws = sorted({hw for hw, _ in panels}, key=[hw for hw, _ in panels].index)
     scs = sorted({sc for _, sc in panels}, key=[sc for _, sc in panels].index)
-    fig, axes = plt.subplots(len(hws), len(scs), figsize=(4.2 * len(scs), 3.2 * len(hws)),
-                             squeeze=False)
     for (hw, sc), (slo, curves) in panels.items():
         ax = axes[hws.index(hw)][scs.index(sc)]
         for config, (rates, att) in curves.items():
@@ -138,18 +129,16 @@ def _plot(panels, path: Path) -> None:
         ax.set_xlabel("request rate (req/s)", fontsize=8)
         ax.set_ylabel("SLO attainment", fontsize=8)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
 
 
-def report(args) -> None:
-    models = load_models(args.data)
+def report(args, data: Path) -> list[dict]:
+    """Prints the goodput table (one row per hardware x scenario x config), draws the plot;
+    returns the rows."""
+    models = load_models(data)
     chips = sum(parse_config(args.configs[0]))
     print(f"| hw | scenario | SLO TTFT / TPOT ms | config | goodput req/s | per chip | "
           f"rate | attain | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms |\n|{'---|' * 10}")
-    panels = {}
+    panels, rows = {}, []
     for hw in args.hardware:
         for sc in args.scenarios:
             slo, results = study(models[hw], SCENARIOS[sc], args.configs, requests=args.requests,
@@ -163,21 +152,35 @@ def report(args) -> None:
                 curves[config] = (grid, [attainment(float(r)) for r in grid])
                 attainment(ref)
                 res = runs[ref]
+                rows.append(dict(hw=hw, scenario=sc, slo_s=slo, config=config, goodput=good,
+                                 per_chip=good / chips, rate=ref,
+                                 attainment=res.attainment(*slo),
+                                 ttft_s={q: float(np.percentile(res.ttft, q))
+                                         for q in (50, 90, 99)},
+                                 tpot_s={q: float(np.percentile(res.tpot, q))
+                                         for q in (50, 90, 99)}))
                 print(f"| {hw} | {sc} | {1e3 * slo[0]:.0f} / {1e3 * slo[1]:.1f} | {config} | "
                       f"{good:.2f} | {good / chips:.2f} | {ref:.2f} | "
                       f"{res.attainment(*slo):.2f} | "
                       f"{'/'.join(_ms(res.ttft, q) for q in (50, 90, 99))} | "
                       f"{'/'.join(_ms(res.tpot, q) for q in (50, 90, 99))} |", flush=True)
             panels[(hw, sc)] = (slo, curves)
-    if args.out:
-        _plot(panels, Path(args.out))
+    out = PLOT if args.out is None else args.out
+    if out:
+        hws, scs = {hw for hw, _ in panels}, {sc for _, sc in panels}
+        common.save_plot(out, lambda fig, axes: _draw(fig, axes, panels), dpi=90,
+                         nrows=len(hws), ncols=len(scs),
+                         figsize=(4.2 * len(scs), 3.2 * len(hws)), squeeze=False)
+    return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p) -> None:
     p.add_argument("--measure", action="store_true",
-                   help="refit the step-time models into --data (as scripts/step_models.py)")
-    p.add_argument("--data", type=Path, default=DATA)
+                   help="refit the step-time models into --data (about 4 minutes; needs a "
+                        "source checkout with the aot extra: make test-aot)")
+    p.add_argument("--data", type=Path, default=None,
+                   help=f"the step-time models' JSON (default {DATA.relative_to(common.REPO)} "
+                        "of the checkout)")
     p.add_argument("--hardware", nargs="+", default=["h200", "v5e", "cpu"],
                    choices=["h200", "v5e", "cpu"])
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
@@ -187,32 +190,35 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=int, default=512, help="tokens per step (jaxkv's default)")
     p.add_argument("--max-seqs", type=int, default=256)
-    p.add_argument("--out", default=str(PLOT), help="PNG path ('' for none)")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=None,
+                   help="PNG path (default docs/plots/sim_disagg.png of the checkout; '' for "
+                        "none)")
+
+
+def run(args) -> dict:
+    data = args.data or DATA
     if args.measure:
-        step_models.measure(args.data, command="python scripts/sim_disagg.py --measure")
-        return 0
+        step_models.measure(Path(data), command=f"jaxkv bench {NAME} --measure")
+        return {"measured": str(data)}
     for config in args.configs:
         try:
             parse_config(config)
         except ValueError as e:
-            p.error(str(e))
+            raise common.UsageError(str(e)) from None
     if len({sum(parse_config(c)) for c in args.configs}) != 1:
-        p.error(f"--configs must all use the same number of chips, got {args.configs}")
+        raise common.UsageError(f"--configs must all use the same number of chips, got "
+                                f"{args.configs}")
     for name in ("requests", "budget", "max_seqs"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise common.UsageError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                    f"{getattr(args, name)}")
     if args.max_seqs >= args.budget:
-        p.error("--max-seqs must be below --budget (decodes would leave no room for prompts)")
-    if not Path(args.data).is_file():
-        p.error(f"no step-time models at {args.data}: run with --measure first")
-    report(args)
-    print("\nreproduce: python scripts/sim_disagg.py " + " ".join(
-        [f"--hardware {' '.join(args.hardware)}", f"--scenarios {' '.join(args.scenarios)}",
-         f"--configs {' '.join(args.configs)}", f"--requests {args.requests}",
-         f"--seed {args.seed}", f"--budget {args.budget}", f"--max-seqs {args.max_seqs}"]))
-    return 0
+        raise common.UsageError("--max-seqs must be below --budget (decodes would leave no "
+                                "room for prompts)")
+    if not Path(data).is_file():
+        raise common.UsageError(f"no step-time models at {data}: run with --measure first")
+    return {"rows": report(args, data)}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

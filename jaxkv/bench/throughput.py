@@ -15,25 +15,41 @@ HF has no cross-request cache either.
 Also reports jaxkv's KV memory at its peak (pages held x page bytes) against a contiguous
 reservation of max_model_len per sequence, and how many greedy outputs agree exactly.
 
-    python scripts/bench_throughput.py [--prompts 16] [--new-tokens 128] [--layers 12]
-                                       [--hidden 768] [--hf-batch 16 8] [--out bench_throughput.png]
+    jaxkv bench throughput [--prompts 16] [--new-tokens 128] [--layers 12] [--hidden 768]
+                           [--hf-batch 16 8] [--out bench_throughput.png]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import platform
-import sys
 import tempfile
 import time
 
-import jax
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common, hf
 from jaxkv.engine.llm import kv_bytes_per_token
 from jaxkv.model.loading import save_params
+
+NAME = "throughput"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--min-len", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768,
+                        help="hidden size; heads = hidden / 64, MLP = hidden * 8/3")
+    parser.add_argument("--hf-batch", type=int, nargs="+", default=[16, 8])
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--compare", type=int, default=4, help="prompts whose tokens are compared")
+    parser.add_argument("--out", default="bench_throughput.png")
+    # num_pages, by default: what the workload needs with all prompts running at once
+    common.add_engine_args(parser, page_size=16, num_pages=None, max_num_batched_tokens=512,
+                           enable_prefix_caching=False)
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -64,15 +80,11 @@ class PeakTracker:
         return out
 
 
-def run_jaxkv(model, prompts, warm_prompts, new_tokens, args):
+def run_jaxkv(model, prompts, warm_prompts, new_tokens, **engine_kw):
+    """The prompts through `jaxkv.LLM(model, **engine_kw)` after a same-shaped warm-up:
+    (outputs, tokens generated, seconds, the peak tracker, preemptions)."""
     sp = jaxkv.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    page = args.page_size
-    need = sum(-(-(len(p) + new_tokens - 1) // page) for p in prompts)
-    num_pages = args.num_pages or need
-    max_model_len = max(len(p) for p in prompts) + new_tokens
-    llm = jaxkv.LLM(model, page_size=page, num_pages=num_pages, max_num_seqs=max(len(prompts), 1),
-                    max_model_len=max_model_len, max_num_batched_tokens=args.batched_tokens,
-                    enable_prefix_caching=False)
+    llm = jaxkv.LLM(model, **engine_kw)
     llm.generate(prompt_token_ids=warm_prompts, sampling_params=sp, use_tqdm=False)
     tracker = PeakTracker(llm.engine)
     llm.engine.step = tracker
@@ -82,63 +94,24 @@ def run_jaxkv(model, prompts, warm_prompts, new_tokens, args):
     seconds = time.perf_counter() - t
     generated = llm.stats().generated_tokens - before
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    info = dict(num_pages=num_pages, max_model_len=max_model_len, tracker=tracker,
-                preemptions=llm.stats().preemptions)
-    return tokens, generated, seconds, info
-
-
-def hf_generate(hf, prompts, new_tokens, batch, pad_id=0):
-    """Greedy generate in batches of `batch` (left-padded, masked); outputs in prompt order."""
-    import torch
-
-    order = list(range(len(prompts)))
-    if batch < len(prompts):  # group similar lengths: less padding per batch
-        order.sort(key=lambda i: len(prompts[i]))
-    results: list[list[int] | None] = [None] * len(prompts)
-    generated = 0
-    for start in range(0, len(order), batch):
-        idx = order[start:start + batch]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]):] = 1
-        with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              pad_token_id=pad_id)
-        new = out[:, width:]
-        generated += new.numel()
-        for row, i in enumerate(idx):
-            results[i] = new[row].tolist()
-    return results, generated
+    return tokens, generated, seconds, tracker, llm.stats().preemptions
 
 
 def run_hf(folder, prompts, new_tokens, batches, threads):
-    import torch
-    import transformers
-
-    torch.set_num_threads(threads)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf_generate(hf, [p[:32] for p in prompts[:2]], 4, 2)  # first-call warm-up
+    model = hf.load(folder, threads)
+    hf.generate_batches(model, [p[:32] for p in prompts[:2]], 4, 2)  # first-call warm-up
     runs = {}
     for b in batches:
         t = time.perf_counter()
-        tokens, generated = hf_generate(hf, prompts, new_tokens, b)
+        tokens, generated = hf.generate_batches(model, prompts, new_tokens, b)
         runs[b] = (tokens, generated, time.perf_counter() - t)
     return runs
 
 
-def save_plot(path, rows, kv_rows):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    names = [r[0] for r in rows]
-    ax1.bar(names, [r[3] for r in rows], color=["tab:blue"] + ["tab:gray"] * (len(rows) - 1))
+def _draw(axes, rows, kv_rows) -> None:
+    ax1, ax2 = axes
+    ax1.bar([r[0] for r in rows], [r[3] for r in rows],
+            color=["tab:blue"] + ["tab:gray"] * (len(rows) - 1))
     ax1.set_ylabel("generated tokens / s")
     ax1.set_title("Throughput")
     ax1.tick_params(axis="x", labelrotation=15)
@@ -147,32 +120,9 @@ def save_plot(path, rows, kv_rows):
     ax2.set_ylabel("KV MiB")
     ax2.set_title("KV memory at peak")
     ax2.tick_params(axis="x", labelrotation=15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--min-len", type=int, default=32)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768,
-                        help="hidden size; heads = hidden / 64, MLP = hidden * 8/3")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--num-pages", type=int, default=0,
-                        help="page pool (default: what the workload needs with all prompts "
-                             "running at once)")
-    parser.add_argument("--batched-tokens", type=int, default=512,
-                        help="jaxkv max_num_batched_tokens")
-    parser.add_argument("--hf-batch", type=int, nargs="+", default=[16, 8])
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--compare", type=int, default=4, help="prompts whose tokens are compared")
-    parser.add_argument("--out", default="bench_throughput.png")
-    args = parser.parse_args(argv)
-
+def run(args) -> dict:
     config = jaxkv.ModelConfig.bench(num_layers=args.layers, hidden_size=args.hidden)
     config = dataclasses.replace(config, max_position_embeddings=max(
         config.max_position_embeddings, args.max_len + args.new_tokens))
@@ -181,10 +131,16 @@ def main(argv=None) -> int:
     prompts = make_prompts(args.prompts, args.min_len, max_len, vocab, seed=0)
     warm = [np.random.default_rng(1).integers(3, vocab, len(p)).tolist() for p in prompts]
     model = jaxkv.random_model(config, seed=0)
+    page = args.page_size
+    kw = common.engine_kwargs(
+        args, num_pages=sum(-(-(len(p) + args.new_tokens - 1) // page) for p in prompts),
+        max_num_seqs=max(len(prompts), 1),
+        max_model_len=max(len(p) for p in prompts) + args.new_tokens)
 
     with tempfile.TemporaryDirectory() as folder:
         save_params(model.module(), folder)
-        j_tokens, j_gen, j_sec, info = run_jaxkv(model, prompts, warm, args.new_tokens, args)
+        j_tokens, j_gen, j_sec, tr, preemptions = run_jaxkv(model, prompts, warm,
+                                                            args.new_tokens, **kw)
         hf_runs = run_hf(folder, prompts, args.new_tokens, args.hf_batch, args.threads)
 
     rows = [("jaxkv LLM", j_gen, j_sec, j_gen / j_sec)]
@@ -196,24 +152,23 @@ def main(argv=None) -> int:
     print(f"model: {config.num_params() / 1e6:.0f}M params, {config.num_layers} layers, "
           f"hidden {config.hidden_size}, fp32; {args.prompts} prompts of {min(lens)}-{max(lens)} "
           f"tokens (sum {sum(lens)}), {args.new_tokens} new tokens each, greedy, ignore_eos; "
-          f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}), "
-          f"torch threads {args.threads}")
-    print(f"jaxkv: page_size {args.page_size}, num_pages {info['num_pages']}, max_model_len "
-          f"{info['max_model_len']}, max_num_batched_tokens {args.batched_tokens}, max_num_seqs "
-          f"{args.prompts}, prefix caching off, preemptions {info['preemptions']}")
+          f"{common.device_line()}, torch threads {args.threads}")
+    print(f"jaxkv: page_size {page}, num_pages {kw['num_pages']}, max_model_len "
+          f"{kw['max_model_len']}, max_num_batched_tokens {kw['max_num_batched_tokens']}, "
+          f"max_num_seqs {kw['max_num_seqs']}, prefix caching "
+          f"{'on' if kw['enable_prefix_caching'] else 'off'}, preemptions {preemptions}")
     print(f"\n{'engine':<20} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs best HF':>11}")
     for name, gen, sec, tps in rows:
         print(f"{name:<20} {gen:>7} {sec:>8.1f} {tps:>8.1f} {tps / best_hf[3]:>10.2f}x")
     print(f"jaxkv / best transformers ({best_hf[0]}): {rows[0][3] / best_hf[3]:.2f}x")
 
     # KV memory: paged (pages held at the peak step) vs a contiguous max-length reservation.
-    tr, page = info["tracker"], args.page_size
-    page_bytes = kv_bytes_per_token(model) * page
     token_bytes = kv_bytes_per_token(model)
-    paged_bytes = tr.peak_pages * page_bytes
+    page_bytes = token_bytes * page
     stored = tr.peak_tokens
-    kv_rows = [(f"paged (peak, {tr.peak_pages} pages)", paged_bytes, tr.peak_pages * page)]
-    for length, label in ((info["max_model_len"], "max_model_len"),
+    kv_rows = [(f"paged (peak, {tr.peak_pages} pages)", tr.peak_pages * page_bytes,
+                tr.peak_pages * page)]
+    for length, label in ((kw["max_model_len"], "max_model_len"),
                           (config.max_position_embeddings, "model max")):
         kv_rows.append((f"contiguous {args.prompts}x{length} ({label})",
                         args.prompts * length * token_bytes, args.prompts * length))
@@ -228,20 +183,23 @@ def main(argv=None) -> int:
 
     # Greedy agreement (fp32; padding and batch shapes can flip near-ties, so only reported).
     k = min(args.compare, len(prompts))
+    agree = {}
     for b, (hf_tokens, _, _) in hf_runs.items():
         exact = sum(j_tokens[i] == hf_tokens[i] for i in range(k))
         prefix = [next((t for t, (a, c) in enumerate(zip(j_tokens[i], hf_tokens[i], strict=True))
                         if a != c), args.new_tokens) for i in range(k)]
+        agree[b] = dict(identical=exact, compared=k, first_mismatch=prefix)
         print(f"greedy tokens vs transformers b={b}: {exact}/{k} prompts identical; "
               f"first mismatch at {prefix}")
 
-    save_plot(args.out, rows, kv_rows)
-    print(f"plot: {args.out}")
-    print(f"\nreproduce: python scripts/bench_throughput.py --prompts {args.prompts} "
-          f"--new-tokens {args.new_tokens} --layers {args.layers} --hidden {args.hidden} "
-          f"--hf-batch {' '.join(map(str, args.hf_batch))}")
-    return 0
+    common.save_plot(args.out, lambda fig, axes: _draw(axes, rows, kv_rows), dpi=100,
+                     ncols=2, figsize=(10, 4))
+    keys = ("engine", "tokens", "seconds", "tok_s")
+    return dict(engine=kw, preemptions=preemptions,
+                rows=[dict(zip(keys, r, strict=True)) for r in rows],
+                kv=[dict(layout=n, bytes=b, slots=s, stored=stored) for n, b, s in kv_rows],
+                paging_bound=bound, bound_held_every_step=tr.bound_ok, greedy_vs_hf=agree)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

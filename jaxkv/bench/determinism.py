@@ -6,29 +6,29 @@ run again (same program, same inputs), padded to 8 rows, batched with 3 other pr
 chunks, at page size 8. Prints the largest absolute difference and whether the argmax (the
 greedy token) is the same.
 
-    python scripts/determinism.py [--attention-impl reference]
+    jaxkv bench determinism [--attention-impl reference]
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import jax
 import numpy as np
 
-import jaxkv
+from jaxkv.bench import common
 from jaxkv.kv import init_state
 from jaxkv.runtime.batch import PageTable, Row, build_batch
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 
+NAME = "determinism"
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+def add_arguments(parser) -> None:
     parser.add_argument("--attention-impl", default="reference")
-    args = parser.parse_args(argv)
-    model = jaxkv.load_default()
+
+
+def run(args) -> dict:
+    model, _ = common.load_model("tiny")
     c = model.config
     steps = make_steps(model.graphdef, args.attention_impl)
     rng = np.random.default_rng(0)
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             if company and start == 0:
                 rows += [Row(i + 1, o, 0, list(range(8 + 8 * i, 16 + 8 * i)))
                          for i, o in enumerate(others)]
-            batch = build_batch(rows, table, tokens_bucket=max(tokens_bucket, 128 * company))
+            batch = build_batch(rows, table, tokens_bucket=max(tokens_bucket, 256 * company))
             _, logits, _, state = steps.step(model.params, state, batch,
                                              np.zeros((8, 2), np.uint32), SamplingArrays.greedy(8))
             start += chunk
@@ -58,13 +58,15 @@ def main(argv=None) -> int:
     print(f"backend {jax.default_backend()}, attention_impl {args.attention_impl!r}; "
           "the same prompt's last logits vs running it alone in one chunk")
     print(f"{'served':<22} {'bitwise':>8} {'max |diff|':>11} {'same token':>11}")
+    rows = {}
     for name, logits in cases.items():
         diff = float(np.abs(logits - alone).max())
-        print(f"{name:<22} {str(np.array_equal(logits, alone)):>8} {diff:>11.2e} "
-              f"{str(logits.argmax() == alone.argmax()):>11}")
-    print(f"reproduce: python scripts/determinism.py --attention-impl {args.attention_impl}")
-    return 0
+        rows[name] = dict(bitwise=bool(np.array_equal(logits, alone)), max_diff=diff,
+                          same_token=bool(logits.argmax() == alone.argmax()))
+        print(f"{name:<22} {str(rows[name]['bitwise']):>8} {diff:>11.2e} "
+              f"{str(rows[name]['same_token']):>11}")
+    return {"cases": rows}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

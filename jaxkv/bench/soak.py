@@ -15,12 +15,11 @@ free after the run once the prefix cache is emptied: must be 0), host RSS after 
 the end, and throughput per window of requests (flat: no slowdown that persists). Then a
 preemption-storm check: decode throughput of a fixed batch before and after a storm.
 
-    python scripts/soak.py [--requests 3000] [--num-pages 64] [--max-num-seqs 16]
+    jaxkv bench soak [--requests 3000] [--num-pages 64] [--max-num-seqs 16]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import resource
@@ -31,6 +30,28 @@ import jax
 import numpy as np
 
 import jaxkv
+from jaxkv.bench import common
+
+NAME = "soak"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--max-tail", type=int, default=64)
+    parser.add_argument("--max-new", type=int, default=48)
+    parser.add_argument("--abort-rate", type=float, default=0.05)
+    parser.add_argument("--n2-rate", type=float, default=0.1)
+    parser.add_argument("--bad-rate", type=float, default=0.01)
+    parser.add_argument("--window", type=int, default=250, help="requests per throughput row")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's and the engine's")
+    parser.add_argument("--verify", type=int, default=30,
+                        help="greedy requests re-run alone with jaxkv.generate to compare")
+    parser.add_argument("--no-storm", action="store_true")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip Engine.warmup(): programs compile during the soak")
+    common.add_engine_args(parser, num_pages=64, page_size=16, max_num_seqs=16,
+                           max_model_len=256, max_num_batched_tokens=256)
 
 
 def rss_mb() -> float:
@@ -186,32 +207,9 @@ def storm(engine: jaxkv.Engine, args, vocab: int, new: int = 100, repeats: int =
                 before=float(np.median(before)), after=float(np.median(after)))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--num-pages", type=int, default=64)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-batched-tokens", type=int, default=256)
-    parser.add_argument("--prefixes", type=int, default=8)
-    parser.add_argument("--max-tail", type=int, default=64)
-    parser.add_argument("--max-new", type=int, default=48)
-    parser.add_argument("--abort-rate", type=float, default=0.05)
-    parser.add_argument("--n2-rate", type=float, default=0.1)
-    parser.add_argument("--bad-rate", type=float, default=0.01)
-    parser.add_argument("--window", type=int, default=250, help="requests per throughput row")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--verify", type=int, default=30,
-                        help="greedy requests re-run alone with jaxkv.generate to compare")
-    parser.add_argument("--no-storm", action="store_true")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="skip Engine.warmup(): programs compile during the soak")
-    args = parser.parse_args(argv)
-
-    model = jaxkv.load_default()
-    engine = jaxkv.Engine(model, page_size=args.page_size, num_pages=args.num_pages,
-                          max_num_seqs=args.max_num_seqs, max_model_len=256,
-                          max_num_batched_tokens=args.max_batched_tokens, seed=args.seed)
+def run(args) -> dict:
+    model, _ = common.load_model("tiny")
+    engine = jaxkv.Engine(model, **common.engine_kwargs(args), seed=args.seed)
     print(f"jaxkv soak on {platform.machine()} {jax.default_backend()} "
           f"({os.cpu_count()} cpus), embedded model {model.config.num_params() / 1e6:.2f}M "
           f"params; {args.num_pages} pages x {args.page_size} tokens, max_num_seqs "
@@ -243,6 +241,7 @@ def main(argv=None) -> int:
     ok = (r["leaks"] == 0 and r["used_at_end"] == 0 and r["mismatched"] == 0
           and r["completed"] + r["aborted"] + r["rejected"] == r["submitted"]
           and "error" not in r["reasons"])
+    st = None
     if not args.no_storm:
         st = storm(engine, args, model.config.vocab_size)
         print(f"\npreemption storm: {st['storm_requests']} requests needing "
@@ -253,12 +252,9 @@ def main(argv=None) -> int:
         engine.radix.clear()
         ok = ok and engine.allocator.num_free == engine.num_pages
     print(f"\nresult: {'OK' if ok else 'FAILED'}")
-    print(f"reproduce: python scripts/soak.py --requests {args.requests} --num-pages "
-          f"{args.num_pages} --page-size {args.page_size} --max-num-seqs {args.max_num_seqs} "
-          f"--max-batched-tokens {args.max_batched_tokens} --seed {args.seed}"
-          f"{' --no-storm' if args.no_storm else ''}{' --no-warmup' if args.no_warmup else ''}")
-    return 0 if ok else 1
+    out = {k: v for k, v in r.items() if k != "stats"}
+    return dict(out, ok=ok, stats=s, storm=st)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

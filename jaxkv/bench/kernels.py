@@ -3,30 +3,50 @@
 Identical inputs for every implementation (bf16, GQA 8 by default, random pages scattered over
 the pool). For each (batch, context) it reports the time per call, the achieved bandwidth
 (K/V bytes read / time) and its fraction of the device peak, prints a table and saves a plot.
-On CPU, Pallas runs only in interpret mode, whose timings mean nothing: the script says so
+On CPU, Pallas runs only in interpret mode, whose timings mean nothing: the bench says so
 and exits unless ``--smoke`` asks for a tiny correctness-and-plumbing run.
 
-    python scripts/bench_kernels.py [--batch 1 8 64 256] [--context 512 4096 32768]
-                                    [--kv-heads 8 --group 8 --head-dim 128 --page-size 16]
-                                    [--peak-gbs 4800] [--out bench_kernels.png]
+    jaxkv bench kernels [--batch 1 8 64 256] [--context 512 4096 32768]
+                        [--kv-heads 8 --group 8 --head-dim 128 --page-size 16]
+                        [--peak-gbs 4800] [--out bench_kernels.png]
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.bench import common
 from pallas_kernels import pack_kv, paged_decode_attention
+
+NAME = "kernels"
 
 # HBM bandwidth of common accelerators (GB/s), for the "% of peak" column; --peak-gbs overrides.
 PEAK_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "TPU v5 lite": 819, "TPU v5e": 819,
             "TPU v6 lite": 1640, "TPU v4": 1228, "TPU v5p": 2765}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--context", type=int, nargs="+", default=[512, 4096, 32768])
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=8, help="query heads per KV head (GQA ratio)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--max-kv-gib", type=float, default=24.0,
+                   help="skip configurations whose K/V pool exceeds this (peak memory ~2x)")
+    p.add_argument("--peak-gbs", type=float, default=None, help="device HBM bandwidth, GB/s")
+    p.add_argument("--pages-per-block", type=int, default=None,
+                   help="jaxkv kernel knob (default: gpu/tpu_block_sizes)")
+    p.add_argument("--num-warps", type=int, default=None, help="jaxkv GPU kernel knob")
+    p.add_argument("--out", default="bench_kernels.png")
+    p.add_argument("--smoke", action="store_true",
+                   help="on CPU: tiny shapes in interpret mode, to check plumbing only")
 
 
 def _inputs(batch, context, *, kv_heads, group, head_dim, page_size, dtype, seed=0):
@@ -91,26 +111,7 @@ def _time_all(impls, layout, pages, q, table, lengths, scale, repeats):
             for name, (kind, fn) in impls.items() if kind == layout}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
-    p.add_argument("--context", type=int, nargs="+", default=[512, 4096, 32768])
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--group", type=int, default=8, help="query heads per KV head (GQA ratio)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--max-kv-gib", type=float, default=24.0,
-                   help="skip configurations whose K/V pool exceeds this (peak memory ~2x)")
-    p.add_argument("--peak-gbs", type=float, default=None, help="device HBM bandwidth, GB/s")
-    p.add_argument("--pages-per-block", type=int, default=None,
-                   help="jaxkv kernel knob (default: gpu/tpu_block_sizes)")
-    p.add_argument("--num-warps", type=int, default=None, help="jaxkv GPU kernel knob")
-    p.add_argument("--out", default="bench_kernels.png")
-    p.add_argument("--smoke", action="store_true",
-                   help="on CPU: tiny shapes in interpret mode, to check plumbing only")
-    args = p.parse_args(argv)
-
+def run(args) -> dict:
     platform = jax.default_backend()
     device = jax.devices()[0].device_kind
     interpret = platform not in ("gpu", "tpu")
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
         print(f"No GPU or TPU here ({platform}): Pallas kernels would run in interpret mode, "
               "whose timings say nothing about kernel speed. Run this on a GPU or TPU VM, "
               "or pass --smoke for a tiny plumbing check.")
-        return 0
+        return {"skipped": f"no GPU or TPU ({platform})"}
     if args.smoke:
         args.batch, args.context, args.repeats = [2], [64], 1
         args.kv_heads, args.group, args.head_dim = 2, 4, 64
@@ -137,13 +138,13 @@ def main(argv=None) -> int:
                 batch, context, kv_heads=args.kv_heads, group=args.group,
                 head_dim=args.head_dim, page_size=args.page_size, dtype=dtype)
             scale = 1.0 / np.sqrt(args.head_dim)
-            common = (q, table, lengths, scale, args.repeats)
+            common_args = (q, table, lengths, scale, args.repeats)
             # Separate K/V first, then the packed copy: one layout in memory at a time (plus
             # the reference's gather), so --max-kv-gib bounds about half the device memory.
-            results = _time_all(impls, "split", (k, v), *common)
+            results = _time_all(impls, "split", (k, v), *common_args)
             kv = pack_kv(k, v)
             del k, v
-            results |= _time_all(impls, "packed", (kv,), *common)
+            results |= _time_all(impls, "packed", (kv,), *common_args)
             del kv
             ref = np.asarray(results["xla-reference"][1].astype(jnp.float32))
             for name, (seconds, out) in results.items():
@@ -158,25 +159,13 @@ def main(argv=None) -> int:
           f"{'max|err|':>9}")
     for b, c, name, us, gbs, frac, err in rows:
         print(f"{b:>5} {c:>7} {name:<14} {us:>10.1f} {gbs:>8.1f} {frac:>6.1f} {err:>9.2e}")
-    _plot(rows, args.out, device)
-    print(f"\nreproduce: python scripts/bench_kernels.py --batch {' '.join(map(str, args.batch))}"
-          f" --context {' '.join(map(str, args.context))} --kv-heads {args.kv_heads} "
-          f"--group {args.group} --head-dim {args.head_dim} --page-size {args.page_size}"
-          + "".join(f" --{k.replace('_', '-')} {v}" for k, v in knobs.items())
-          + (" --smoke" if args.smoke else ""))
-    return 0
+    common.save_plot(args.out, lambda fig, ax: _draw(ax, rows, device), figsize=(7, 4))
+    keys = ("batch", "context", "impl", "us", "gbs", "pct_peak", "max_err")
+    return {"device": device, "interpret": interpret, "rows": [dict(zip(keys, r, strict=True))
+                                                               for r in rows]}
 
 
-def _plot(rows, path, device):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install jaxkv[plot])")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
+def _draw(ax, rows, device) -> None:
     for name in sorted({r[2] for r in rows}):
         pts = [(f"{b}x{c}", r[4]) for r in rows if r[2] == name for b, c in [(r[0], r[1])]]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -185,10 +174,7 @@ def _plot(rows, path, device):
     ax.set_title(f"paged decode attention on {device}")
     ax.legend()
     ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

@@ -1,4 +1,4 @@
-"""Step-time models for scripts/sim_disagg.py: what they compute, and how they are measured.
+"""Step-time models for `jaxkv bench sim-disagg`: what they compute, and how they are measured.
 
 A step of T tokens over R rows, reading C cached tokens (sum of kv_len) with A attention pairs
 (sum over rows of query x key positions, causal) takes, per step-time model in the JSON:
@@ -8,14 +8,14 @@ A step of T tokens over R rows, reading C cached tokens (sum of kv_len) with A a
       bytes = weights + kvb*(T + C) + 8*V*R (f32 logits written and sampled)
 
 Measuring times jaxkv's step on this CPU and AOT-compiles it for v5e and H200 (cost_analysis,
-in a child process with .venv/aot-site on its path); about 4 minutes.
+in a child process, `tests/tools/step_flops.py`, with .venv/aot-site on its path: a source
+checkout after `make test-aot`); about 4 minutes.
 
-    python scripts/step_models.py                   # refit scripts/data/step_models.json
+    jaxkv bench sim-disagg --measure                # refit scripts/data/step_models.json
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "scripts" / "data" / "step_models.json"
+from jaxkv.bench.common import REPO
+
+DATA = REPO / "scripts" / "data" / "step_models.json"
 
 # ---- the models ------------------------------------------------------------------------------
 
@@ -91,62 +92,19 @@ BUCKETS = ((1, 16, 16), (1, 128, 16), (1, 512, 16), (1, 64, 64), (1, 256, 256),
            (2, 128, 16), (2, 512, 16), (2, 256, 256))
 
 
-def _abstract_step(preset: str, layers: int, tokens: int, rows: int, impl: str):
-    """(jitted step, abstract args): jaxkv's ragged step for ``preset`` cut to ``layers``
-    unrolled layers (cost_analysis counts a scanned layer's body once, not L times)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tools.aot_steps import config_of
-
-    from jaxkv.kv import init_state
-    from jaxkv.model.llama import Llama
-    from jaxkv.runtime.batch import PageTable, padding_batch
-    from jaxkv.runtime.sampling import SamplingArrays
-    from jaxkv.runtime.steps import make_steps
-
-    cfg = dataclasses.replace(config_of(preset), num_layers=layers)
-    module = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                                          scan_layers=False, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(module)
-    pages = 1024
-    state = jax.eval_shape(lambda: init_state(cfg, pages, 16, jnp.bfloat16))
-    batch = padding_batch(tokens, PageTable(rows, 256, pages, 16))
-    return make_steps(graphdef, impl).step, (params, state, batch, np.zeros((rows, 2), np.uint32),
-                                             SamplingArrays.greedy(rows))
-
-
-def _flops_part(hw: str) -> None:
-    """Child process (aot-site on PYTHONPATH): prints [(layers, T, R, flops)] as JSON."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    out = []
-    for layers, tokens, rows in BUCKETS:
-        if hw == "v5e":  # the real XLA:TPU compile; cost_analysis of the optimized program
-            import jax
-            from tools import aot_tpu
-
-            step, args = _abstract_step(HARDWARE[hw]["preset"], layers, tokens, rows,
-                                        "pallas-tpu")
-            with jax.default_device(aot_tpu.device("v5e")):
-                cost = step.trace(*aot_tpu.on_chip("v5e", args)).lower().compile().cost_analysis()
-        else:  # lowered for CUDA (sm_90 needs a GPU client to compile): the HLO's FLOPs
-            from tools import aot_gpu  # noqa: F401  (sets the environment the plugin needs)
-
-            step, args = _abstract_step(HARDWARE[hw]["preset"], layers, tokens, rows,
-                                        "pallas-gpu")
-            cost = step.trace(*args).lower(lowering_platforms=("cuda",)).cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        out.append((layers, tokens, rows, float(cost["flops"])))
-    print("FLOPS " + json.dumps(out))
-
-
 def _roofline_model(hw: str) -> dict:
     from jaxkv.cache.memory import PRESETS, kv_bytes_per_token, weight_bytes
 
     spec, shape = HARDWARE[hw], PRESETS[HARDWARE[hw]["preset"]]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / ".venv" / "aot-site"), JAXKV_AOT="1")
-    cmd = [sys.executable, __file__, "--flops-part", hw]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    # The AOT helpers live in the checkout's tests/tools: a child process with them (and the
+    # compilers of the `aot` extra) on its path; nothing of tests/ is imported here.
+    if not (REPO / "tests" / "tools" / "step_flops.py").is_file():
+        raise RuntimeError(f"measuring the roofline models needs a source checkout "
+                           f"(tests/tools/step_flops.py under {REPO})")
+    path = os.pathsep.join([str(REPO / ".venv" / "aot-site"), str(REPO / "tests")])
+    env = dict(os.environ, PYTHONPATH=path, JAXKV_AOT="1")
+    cmd = [sys.executable, "-m", "tools.step_flops", hw]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FLOPS ")]
     if proc.returncode or not line:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -232,7 +190,7 @@ def _cpu_model() -> dict:
             "per case; nonnegative least squares on (1, T, R, C, A)")
 
 
-def measure(path: Path, command: str = "python scripts/step_models.py") -> None:
+def measure(path: Path, command: str = "jaxkv bench sim-disagg --measure") -> None:
     """Measures every model and writes them to ``path``, with ``command`` (how to redo it)."""
     import jax
 
@@ -242,20 +200,4 @@ def measure(path: Path, command: str = "python scripts/step_models.py") -> None:
         command=command,
         date=datetime.date.today().isoformat(), jax=jax.__version__, models=models),
         indent=1) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--flops-part", choices=tuple(HARDWARE), help=argparse.SUPPRESS)
-    p.add_argument("--data", type=Path, default=DATA, help="JSON to write")
-    args = p.parse_args(argv)
-    if args.flops_part:
-        _flops_part(args.flops_part)
-    else:
-        measure(args.data)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"wrote {path}")

@@ -20,17 +20,19 @@ Two tables:
    are the same whatever the compute dtype. Its bytes per token are checked against the
    calculator's.
 
-    python scripts/kv_capacity.py [--models llama-3-8b llama-2-70b] [--engine-models tiny
-        smollm2] [--hbm-gib 131.3] [--contexts 4096 32768] [--out out/kv_capacity.png]
+    jaxkv bench kv-capacity [--models llama-3-8b llama-2-70b] [--engine-models tiny smollm2]
+        [--hbm-gib 131.3] [--contexts 4096 32768] [--out out/kv_capacity.png]
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+import numpy as np
 
+import jaxkv
+from jaxkv.bench import common
 from jaxkv.cache import memory
 
+NAME = "kv-capacity"
 H200_GIB = 141e9 / 2**30  # 141 GB
 DTYPES = ("fp32", "bf16", "int8")
 TARGETS = {"bf16": 1.9, "fp32": 3.8}  # int8 capacity vs each, from the issue
@@ -72,23 +74,13 @@ def device_row(shape, hbm: int, contexts, args) -> dict:
                 weights=weights, seqs=seqs)
 
 
-def load(name: str, dtype: str):
-    import jaxkv
-
-    if name == "tiny":
-        return jaxkv.load_default(dtype=dtype)
-    return jaxkv.load_pretrained("smollm2" if name == "smollm2" else name, dtype=dtype)
-
-
 def engine_rows(name: str, budget: int, context: int, page_size: int) -> list[dict]:
     """The engine's pool for each dtype: LLM(model, kv_cache_memory_bytes=budget)."""
-    import jaxkv
-
-    rows, models = [], {"float32": load(name, "float32")}
+    rows, models = [], {"float32": common.load_model(name, dtype="float32")[0]}
     for dtype in DTYPES:
         compute = "bfloat16" if dtype == "bf16" else "float32"
         if compute not in models:
-            models[compute] = load(name, compute)
+            models[compute] = common.load_model(name, dtype=compute)[0]
         model = models[compute]
         llm = jaxkv.LLM(model, kv_cache_memory_bytes=budget, page_size=page_size,
                         max_num_seqs=1, kv_cache_dtype="int8" if dtype == "int8" else "auto")
@@ -110,17 +102,7 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-def plot(path: str, rows: list[dict], contexts, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install jaxkv[plot])")
-        return
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+def _draw(fig, axes, rows: list[dict], contexts, title: str) -> None:
     x = np.arange(len(rows))
     for ax, c in zip(axes[0], contexts, strict=True):
         for i, d in enumerate(DTYPES):
@@ -136,13 +118,9 @@ def plot(path: str, rows: list[dict], contexts, title: str) -> None:
         ax.set_title(f"{c}-token sequences")
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="*", default=DEFAULT_MODELS,
                         help=f"calculator rows: presets ({', '.join(memory.PRESETS)}), "
                              f"{SMOLLM2.name}, or config.json paths")
@@ -152,12 +130,14 @@ def main(argv=None) -> int:
     parser.add_argument("--hbm-gib", type=float, default=round(H200_GIB, 1),
                         help="device memory (default H200: 141 GB = 131.3 GiB)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--utilization", type=float, default=0.9)
     parser.add_argument("--engine-mib", type=int, default=1024,
                         help="kv_cache_memory_bytes of each engine pool, MiB")
     parser.add_argument("--out", default=None, help="PNG plot path, e.g. out/kv_capacity.png")
-    args = parser.parse_args(argv)
+    common.add_engine_args(parser, page_size=16)
+
+
+def run(args) -> dict:
     hbm, contexts = int(args.hbm_gib * 2**30), args.contexts
     engines = [m for m in args.engine_models if m != "none"]
 
@@ -186,8 +166,10 @@ def main(argv=None) -> int:
                       f"{s['int8']:>8,} {_ratio(s['int8'], s['bf16']):>9} "
                       f"{_ratio(s['int8'], s['fp32']):>9}")
 
+    engine_results = {}
     for name in engines:
         er = engine_rows(name, args.engine_mib * 2**20, contexts[0], args.page_size)
+        engine_results[name] = er
         by = {r["dtype"]: r for r in er}
         print(f"\nengine pool on this machine: {name}, LLM(kv_cache_memory_bytes="
               f"{args.engine_mib} MiB, page_size {args.page_size}); fp32/bf16 = 'auto' on the "
@@ -207,16 +189,12 @@ def main(argv=None) -> int:
               f"{ok['fp32']})")
 
     if args.out and rows:
-        plot(args.out, rows, contexts, f"KV capacity on one {args.hbm_gib:g} GiB device "
-             f"(bf16 weights, utilization {args.utilization})")
-    models = " ".join(args.models)
-    out = f" --out {args.out}" if args.out else ""
-    print(f"\nreproduce: python scripts/kv_capacity.py --models {models} --engine-models "
-          f"{' '.join(engines) or 'none'} --hbm-gib {args.hbm_gib:g} --contexts "
-          f"{' '.join(map(str, contexts))} --page-size {args.page_size} --utilization "
-          f"{args.utilization} --engine-mib {args.engine_mib}{out}")
-    return 0
+        title = (f"KV capacity on one {args.hbm_gib:g} GiB device (bf16 weights, utilization "
+                 f"{args.utilization})")
+        common.save_plot(args.out, lambda fig, axes: _draw(fig, axes, rows, contexts, title),
+                         ncols=len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    return dict(calculator=rows, engine=engine_results)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)

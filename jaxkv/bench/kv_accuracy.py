@@ -20,15 +20,13 @@ attention is nearly uniform and less sensitive to key error than a trained model
 (the embedded test model, for smoke runs). The bytes targets need head_dim >= 38: a
 token's two scales take 4 bytes per kv head next to 2 * head_dim int8 values.
 
-    python scripts/kv_accuracy.py [--models smollm2 random-llama] [--tokens 4096]
+    jaxkv bench kv-accuracy [--models smollm2 random-llama] [--tokens 4096]
         [--new-tokens 64] [--out out/kv_accuracy.png] [--json out/kv_accuracy.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sysconfig
 import time
 from pathlib import Path
@@ -39,12 +37,14 @@ import numpy as np
 from flax import nnx
 
 import jaxkv
+from jaxkv.bench import common
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.kv import kv_bytes_per_token
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 
+NAME = "kv-accuracy"
 QUANT = ("int8", "fp8_e4m3")
 STDLIB_FILES = ("textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py",
                 "colorsys.py", "contextlib.py")
@@ -55,12 +55,26 @@ QUESTIONS = ["What is the capital of France?", "Explain photosynthesis in two se
              "Name three prime numbers greater than 50.", "What causes the seasons on Earth?"]
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--models", nargs="+", default=["smollm2", "random-llama"],
+                        choices=["smollm2", "random-llama", "tiny"])
+    parser.add_argument("--tokens", type=int, default=4096, help="held-text tokens")
+    parser.add_argument("--chunk", type=int, default=512, help="tokens per teacher-forced step")
+    parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--random-prompts", type=int, metavar="LEN",
+                        help="greedy prompts of LEN random token ids, even with a tokenizer")
+    parser.add_argument("--random-layers", type=int, default=4)
+    parser.add_argument("--random-vocab", type=int, default=32000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="PNG plot of per-position logit error (matplotlib)")
+    common.add_engine_args(parser, page_size=16)
+
+
 def load(name: str, args):
-    """(model, description) for a --models entry."""
-    if name == "smollm2":
-        return jaxkv.load_pretrained("smollm2"), "SmolLM2-135M-Instruct (Q4_1 GGUF, f32 compute)"
-    if name == "tiny":
-        return jaxkv.load_default(), "embedded tiny test model"
+    """(model, description) for a --models entry: random-llama here, the others by name."""
+    if name != "random-llama":
+        return common.load_model(name)
     cfg = jaxkv.ModelConfig(vocab_size=args.random_vocab, hidden_size=2048,
                             intermediate_size=8192, num_layers=args.random_layers, num_heads=32,
                             num_kv_heads=8, head_dim=64, rope_theta=500000.0,
@@ -201,46 +215,16 @@ def report(name, desc, model, text_desc, tf, gr, nbytes, args) -> list[str]:
     return [f"{name}: {s}" for s, o in checks if not o]
 
 
-def plot(results, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib not installed: no plot written to {path}; pip install jaxkv[plot])")
-        return
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+def _draw(axes, results) -> None:
     for ax, (name, r) in zip(axes[0], results.items(), strict=True):
         for d in QUANT:
             ax.plot(r["teacher_forced"][d]["per_position_max_err"], lw=0.6, label=d)
         ax.set(title=f"{name}: max |logit error| per position", xlabel="position",
                ylabel="max abs error vs auto KV", yscale="log")
         ax.legend()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2", "random-llama"],
-                        choices=["smollm2", "random-llama", "tiny"])
-    parser.add_argument("--tokens", type=int, default=4096, help="held-text tokens")
-    parser.add_argument("--chunk", type=int, default=512, help="tokens per teacher-forced step")
-    parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--random-prompts", type=int, metavar="LEN",
-                        help="greedy prompts of LEN random token ids, even with a tokenizer")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--random-layers", type=int, default=4)
-    parser.add_argument("--random-vocab", type=int, default=32000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="PNG plot of per-position logit error (matplotlib)")
-    parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args(argv)
-
+def run(args) -> dict:
     results, missed, t0 = {}, [], time.perf_counter()
     print(f"# KV cache quantization accuracy (backend {jax.default_backend()})")
     for name in args.models:
@@ -260,21 +244,10 @@ def main(argv=None) -> int:
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s; "
           + (f"targets missed: {'; '.join(missed)}" if missed else "all targets met"))
     if args.out:
-        plot(results, args.out)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-        print(f"results: {args.json}")
-    flags = (f"--models {' '.join(args.models)} --tokens {args.tokens} --chunk {args.chunk} "
-             f"--new-tokens {args.new_tokens} --prompts {args.prompts} --page-size "
-             f"{args.page_size} --seed {args.seed}")
-    if args.random_prompts:
-        flags += f" --random-prompts {args.random_prompts}"
-    if "random-llama" in args.models:
-        flags += f" --random-layers {args.random_layers} --random-vocab {args.random_vocab}"
-    print(f"reproduce: python scripts/kv_accuracy.py {flags}")
-    return 0
+        common.save_plot(args.out, lambda fig, axes: _draw(axes, results),
+                         ncols=len(results), figsize=(6 * len(results), 4), squeeze=False)
+    return dict(results, targets_missed=missed)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def main(argv=None) -> int:
+    return common.main(NAME, argv)
