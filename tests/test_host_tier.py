@@ -47,9 +47,10 @@ def test_host_tier_serves_the_same_tokens_and_recomputes_less(tiny_model, kv):
     assert s_off.host_hit_tokens == 0 and s_off.host_kv_pages_total == 0
     # The history of every later turn was evicted from the device; with the tier it comes back.
     assert s_on.computed_prompt_tokens < 0.6 * s_off.computed_prompt_tokens, (s_on, s_off)
-    assert on.runner.host_pool.loaded_pages > 0 and on.runner.host_pool.saved_pages >= on.runner.host_pool.loaded_pages
+    pool = on.runner.host_pool
+    assert pool.loaded_pages > 0 and pool.saved_pages >= pool.loaded_pages
     if kv == "int8":
-        assert on.runner.host_pool.scales is not None and on.runner.host_pool.scales.any()
+        assert pool.scales is not None and pool.scales.any()
 
 
 def test_salted_conversations_do_not_share_host_entries(tiny_model):
