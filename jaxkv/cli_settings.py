@@ -48,7 +48,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *,
         else:
             group.add_argument(flag(name), dest=name, default=default, type=hint,
                                choices=field.metadata.get("choices"),
-                               help=f"{help_text} (default: {default})")
+                               help=f"{help_text} (default: %(default)s)")
         added.append(name)
     return added
 

@@ -191,7 +191,7 @@ def test_nan_filled_freed_pages_change_nothing_with_forks(tiny_model, seed):
     assert dirty == clean
 
 
-def test_poisoning_runs_after_the_copies_of_its_step(tiny_model):
+def test_poisoning_runs_after_the_copies_of_its_step(tiny_model, monkeypatch):
     """A copy-on-write source that this very plan freed (a preempted sibling held its last
     reference) is copied before freed pages are filled with NaN, so the copy holds its KV."""
     engine = Engine(tiny_model, page_size=4, num_pages=8, max_num_seqs=2, max_model_len=32,
@@ -200,7 +200,9 @@ def test_poisoning_runs_after_the_copies_of_its_step(tiny_model):
     src, dst = engine.allocator.allocate(2)
     engine.state = fill_pages(engine.state, np.array([src], np.int32), 1.0)
     engine.allocator.free([src])
-    assert engine._launch(SchedulerOutput(copies=[(src, dst)])) is None  # no rows to run
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput(copies=[(src, dst)]))
+    d = engine.dispatch()
+    assert d.error is None and d.read is None  # no rows to run
     kv = np.asarray(engine.state.kv_pages)
     assert (kv[:, :, dst] == 1.0).all()  # the KV it had when the plan was made
     assert np.isnan(kv[:, :, src]).all()  # and the freed page is poisoned

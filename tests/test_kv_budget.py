@@ -66,9 +66,9 @@ def test_cpu_default_is_capped_by_ram_and_by_what_sequences_can_use(caplog):
         llm = jaxkv.LLM(model, max_num_seqs=4)
     pool = llm.kv_pool
     # 4 sequences of the model's 1,024 positions at 16 tokens a page, plus one spare page
-    assert pool["pages"] == 4 * 1024 // 16 + 1
-    assert pool["max_model_len"] == 1024 and pool["full_sequences"] == 4
-    assert "available RAM" in pool["source"]
+    assert pool.pages == 4 * 1024 // 16 + 1
+    assert pool.max_model_len == 1024 and pool.full_sequences == 4
+    assert "available RAM" in pool.source
     assert kb.kv_budget(model.config, fraction=0.9, max_num_batched_tokens=512,
                         max_num_seqs=4, dtype_bytes=4).bytes <= kb.CPU_KV_CACHE_BYTES
     assert any("KV cache: 257 pages x 16 tokens" in r.getMessage() for r in caplog.records)

@@ -212,7 +212,8 @@ def test_memory_module_has_no_jax_import():
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             names.add((node.module or "").split(".")[0])
-    assert names <= {"__future__", "dataclasses", "json", "math", "pathlib"}
+    assert names <= {"__future__", "dataclasses", "json", "math", "pathlib", "jaxkv"}
+    assert "jax" not in names and "numpy" not in names
 
 
 def test_memory_cli_counts_int8_scales(capsys):

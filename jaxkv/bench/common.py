@@ -21,6 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxkv.cli_settings import add_engine_arguments
+from jaxkv.config import field_sections, unknown_setting
+
 # The source checkout this package sits in (scripts/data, tests/tools, docs/): the step-time
 # models' data and their AOT measurement exist only there, not in an installed wheel.
 REPO = Path(__file__).resolve().parents[2]
@@ -61,47 +64,15 @@ def peer_config(layers: int = 12, hidden: int = 768, vocab: int = 32000):
 # ---- engine settings -------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineSetting:
-    """One keyword argument of `jaxkv.Engine` / `jaxkv.LLM`, as a ``--flag`` of a bench."""
-
-    type: type
-    help: str
-    choices: tuple[str, ...] | None = None
-
-
-# The engine settings a bench can expose. The flag is the keyword with dashes; a bench picks
-# which it exposes and their defaults (`add_engine_args`), and `engine_kwargs` maps them back.
-ENGINE_SETTINGS = {
-    "page_size": EngineSetting(int, "tokens per KV page"),
-    "num_pages": EngineSetting(int, "KV pages in the device pool"),
-    "max_num_seqs": EngineSetting(int, "sequences in one step"),
-    "max_model_len": EngineSetting(int, "longest sequence, prompt + output"),
-    "max_num_batched_tokens": EngineSetting(int, "tokens per step (prompts longer than it "
-                                                 "prefill in chunks)"),
-    "max_decode_steps": EngineSetting(int, "decode steps per device loop"),
-    "kv_cache_dtype": EngineSetting(str, "KV pages' dtype: auto (the compute dtype) or "
-                                         "quantized", ("auto", "int8", "fp8_e4m3")),
-    "enable_prefix_caching": EngineSetting(bool, "reuse the KV of shared prompt prefixes"),
-}
-
-
 def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
-    """Adds a ``--flag`` for each engine setting named in ``defaults`` (the value: the bench's
-    default; None: the bench computes it from its workload, or leaves jaxkv's default)."""
-    group = parser.add_argument_group("engine settings (keyword arguments of jaxkv.Engine / "
-                                      "jaxkv.LLM)")
-    for name, default in defaults.items():
-        s = ENGINE_SETTINGS[name]
-        flag = "--" + name.replace("_", "-")
-        note = "computed from the workload" if default is None else default
-        if s.type is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                               help=f"{s.help} (default {note})")
-        else:
-            group.add_argument(flag, type=s.type, default=default, choices=s.choices,
-                               help=f"{s.help} (default {note})")
-    parser.set_defaults(_engine_settings=tuple(defaults))
+    """Adds a ``--flag`` for each engine setting named in ``defaults``, generated from its
+    `jaxkv.config` field (type, choices, help), with the bench's default (None: the bench
+    computes it from its workload, or leaves jaxkv's default). `engine_kwargs` maps them back."""
+    add_engine_arguments(parser, only=defaults)
+    unknown = set(defaults) - set(field_sections())
+    if unknown:
+        raise ValueError(unknown_setting(sorted(unknown)[0]))
+    parser.set_defaults(**defaults, _engine_settings=tuple(defaults))
 
 
 def engine_kwargs(args, **computed) -> dict:
@@ -154,7 +125,7 @@ def reproduce(name: str, parser: argparse.ArgumentParser, args) -> str:
     parser, in the parser's order, with this run's value (defaults too, so the line does not
     depend on them); options left None are left out."""
     words = ["jaxkv", "bench", name]
-    for action in parser._actions:  # argparse has no public list of a parser's options
+    for action in parser._actions:  # noqa: SLF001 - argparse lists a parser's options nowhere else
         dest, value = action.dest, getattr(args, action.dest, None)
         if (dest in ("help", "json") or dest.startswith("_") or value is None
                 or action.help == argparse.SUPPRESS or not action.option_strings):

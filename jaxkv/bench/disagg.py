@@ -31,6 +31,7 @@ import numpy as np
 from jaxkv import Engine, SamplingParams
 from jaxkv.bench import common
 from jaxkv.bench.scaleout import virtual_devices
+from jaxkv.config import cdiv
 from jaxkv.engine.disagg import DisaggregatedEngine
 from jaxkv.sharding import make_mesh
 
@@ -113,7 +114,7 @@ def run(args) -> dict:
           f"decode tp={args.decode_tp}")
     print()
     t = engine.transfers
-    prompt_pages = sum(-(-len(q) // args.page_size) for q in prompts)
+    prompt_pages = sum(cdiv(len(q), args.page_size) for q in prompts)
     print("| requests | greedy tokens equal to colocated | prompt pages | pages moved "
           "| pages reused on the decode side | bytes moved | bytes per request "
           "| pages streamed while prefilling |")

@@ -31,6 +31,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv.bench import common
+from jaxkv.config import cdiv
 from jaxkv.engine.llm import kv_bytes_per_token
 from jaxkv.runtime.compiles import count_compiles
 
@@ -137,14 +138,14 @@ def run(args) -> dict:
     users = [[rng.integers(0, cfg.vocab_size, rng.integers(args.user_min, args.user_max + 1))
               .tolist() for _ in range(args.turns)] for _ in range(args.conversations)]
     final = sorted((sum(map(len, u)) + args.turns * args.new_tokens for u in users), reverse=True)
-    pages_of = [-(-n // ps) for n in final]
+    pages_of = [cdiv(n, ps) for n in final]
     # The pool: the --pool-convs longest final histories, plus a page per slot for partial-page
     # copies; the host tier: every history, plus a page per turn for split pages.
     num_pages = sum(pages_of[:args.pool_convs]) + args.max_num_seqs
     page_bytes = kv_bytes_per_token(model, args.kv_cache_dtype) * ps
     host_bytes = int(args.host_gib * 2**30) if args.host_gib is not None else \
         (sum(pages_of) + args.conversations * args.turns) * page_bytes
-    max_len = -(-final[0] // ps) * ps
+    max_len = cdiv(final[0], ps) * ps
     if max_len > cfg.max_position_embeddings:
         raise common.UsageError(f"the longest conversation has {final[0]} tokens; the model's "
                                 f"context is {cfg.max_position_embeddings}")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.bench import common
+from jaxkv.config import cdiv
 from pallas_kernels import pack_kv, paged_decode_attention
 
 NAME = "kernels"
@@ -51,7 +52,7 @@ def add_arguments(p) -> None:
 
 def _inputs(batch, context, *, kv_heads, group, head_dim, page_size, dtype, seed=0):
     rng = np.random.default_rng(seed)
-    pages_per_seq = -(-context // page_size)
+    pages_per_seq = cdiv(context, page_size)
     num_pages = batch * pages_per_seq
     table = rng.permutation(num_pages).astype(np.int32).reshape(batch, pages_per_seq)
     key = jax.random.PRNGKey(seed)

@@ -39,6 +39,7 @@ from flax import nnx
 import jaxkv
 from jaxkv.bench import common
 from jaxkv.cache.allocator import PageAllocator
+from jaxkv.config import cdiv
 from jaxkv.kv import kv_bytes_per_token
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.sampling import SamplingArrays
@@ -138,7 +139,7 @@ def _compare(graphdef):
 def teacher_forced(model, ids, chunk: int, page_size: int):
     """Per-position error arrays and perplexities, all KV dtypes run in lockstep per chunk."""
     cfg, n = model.config, len(ids)
-    allocator = PageAllocator(-(-n // page_size))
+    allocator = PageAllocator(cdiv(n, page_size))
     pages = allocator.allocate(allocator.num_pages)
     steps = make_steps(model.graphdef, "auto")
     states = {d: jaxkv.init_state(cfg, allocator.num_pages, page_size, model.dtype, d)

@@ -31,6 +31,7 @@ import numpy as np
 import jaxkv
 from jaxkv.bench import common
 from jaxkv.cache import memory
+from jaxkv.config import cdiv
 
 NAME = "kv-capacity"
 H200_GIB = 141e9 / 2**30  # 141 GB
@@ -86,13 +87,11 @@ def engine_rows(name: str, budget: int, context: int, page_size: int) -> list[di
                         max_num_seqs=1, kv_cache_dtype="int8" if dtype == "int8" else "auto")
         pool, cfg = llm.kv_pool, model.config
         ctx = min(context, cfg.max_position_embeddings)
-        shape = memory.ModelShape(name, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size,
-                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
-                                  cfg.tie_word_embeddings)
-        rows.append(dict(model=name, dtype=dtype, pages=pool["pages"],
-                         tokens=pool["pages"] * pool["page_size"], per_token=pool[
-                             "bytes_per_token"], calc=memory.kv_bytes_per_token(shape, dtype),
-                         ctx=ctx, seqs=pool["pages"] // -(-ctx // pool["page_size"]),
+        shape = memory.ModelShape.from_config(cfg, name)
+        rows.append(dict(model=name, dtype=dtype, pages=pool.pages, tokens=pool.tokens,
+                         per_token=pool.bytes_per_token,
+                         calc=memory.kv_bytes_per_token(shape, dtype),
+                         ctx=ctx, seqs=pool.pages // cdiv(ctx, pool.page_size),
                          head_dim=cfg.head_dim))
         del llm
     return rows

@@ -33,6 +33,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv.bench import common
+from jaxkv.config import cdiv
 
 NAME = "prefix-cache"
 
@@ -206,12 +207,12 @@ def run(args) -> dict:
     vocab, ps = config.vocab_size, args.page_size
     longest = args.user * args.turns + args.reply * args.turns
     # Room for every workload's KV with nothing evicted (each sequence may copy one page).
-    num_pages = max(args.requests * (-(-(args.prefix + args.suffix + args.max_tokens) // ps) + 1),
-                    2 * args.convs * (-(-longest // ps) + 1) * args.turns) + 8
+    num_pages = max(args.requests * (cdiv(args.prefix + args.suffix + args.max_tokens, ps) + 1),
+                    2 * args.convs * (cdiv(longest, ps) + 1) * args.turns) + 8
     max_len = max(args.prefix + args.suffix + args.max_tokens, longest)
     kw = common.engine_kwargs(args, num_pages=num_pages,
                               max_num_seqs=max(args.requests, args.convs),
-                              max_model_len=-(-max_len // ps) * ps)
+                              max_model_len=cdiv(max_len, ps) * ps)
 
     def engine(caching: bool) -> jaxkv.Engine:
         return jaxkv.Engine(model, **kw, enable_prefix_caching=caching)

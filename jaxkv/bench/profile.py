@@ -25,6 +25,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv.bench import common
+from jaxkv.config import cdiv
 from jaxkv.runtime.sampling import SamplingArrays, sample
 from pallas_kernels import paged_decode_attention_reference
 
@@ -173,13 +174,13 @@ def attention_profile(args) -> dict:
     layers, k, d, s = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16
     b, ctx = args.batch, args.prompt_len
     rng = np.random.default_rng(0)
-    width = -(-(ctx + 50) // s)
+    width = cdiv(ctx + 50, s)
     pages = rng.permutation(b * width + 16)[:b * width].reshape(b, width).astype(np.int32)
     pool = jax.numpy.asarray(rng.standard_normal((layers, k, b * width + 16, s, 2 * d),
                                                  dtype=np.float32))
     lengths = rng.integers(ctx - 50, ctx + 50, b).astype(np.int32)
     q = rng.standard_normal((layers, b, cfg.num_heads, d)).astype(np.float32)
-    used = -(-lengths // s)
+    used = cdiv(lengths, s)
     kv_bytes = int(used.sum()) * layers * k * s * 2 * d * 4
 
     @jax.jit

@@ -31,6 +31,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv.bench import common
+from jaxkv.config import cdiv
 
 NAME = "soak"
 
@@ -108,7 +109,7 @@ def soak(engine: jaxkv.Engine, args) -> dict:
     rss_warm, t0, step = None, time.perf_counter(), 0
     watched: dict[str, tuple] = {}  # greedy requests whose tokens are re-checked alone
     while submitted < args.requests or engine.has_unfinished_requests():
-        while submitted < args.requests and len(engine._requests) < 2 * engine.max_num_seqs:
+        while submitted < args.requests and engine.num_unfinished() < 2 * engine.max_num_seqs:
             rid, prompt, sp, abort = work.next()
             submitted += 1
             try:
@@ -121,7 +122,7 @@ def soak(engine: jaxkv.Engine, args) -> dict:
             elif sp.temperature == 0 and len(watched) < args.verify and work.count % 7 == 0:
                 watched[rid] = (prompt, sp, None)
         for rid in aborts.pop(step, []):
-            if rid in engine._requests:
+            if engine.has_request(rid):
                 engine.abort(rid)
         for out in engine.step():
             window_tokens += sum(1 for c in out.outputs if c.finish_reason != "abort")
@@ -187,7 +188,7 @@ def storm(engine: jaxkv.Engine, args, vocab: int, new: int = 100, repeats: int =
     """Decode throughput of a fixed batch (median of `repeats` runs) before and after a
     preemption storm of requests whose page demand is ~10x the pool (same engine)."""
     rng = np.random.default_rng(args.seed + 1)
-    pages_each = -(-(24 + new) // engine.page_size)
+    pages_each = cdiv(24 + new, engine.page_size)
     fits = max(1, engine.num_pages // (pages_each + 1))  # all decode at once, with room
     batch = [rng.integers(4, vocab, 24).tolist() for _ in range(min(fits, 8))]
     decode_rate(engine, batch, new)  # compile and warm

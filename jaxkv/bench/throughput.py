@@ -29,6 +29,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv.bench import common, hf
+from jaxkv.config import cdiv
 from jaxkv.engine.llm import kv_bytes_per_token
 from jaxkv.model.loading import save_params
 
@@ -133,7 +134,7 @@ def run(args) -> dict:
     model = jaxkv.random_model(config, seed=0)
     page = args.page_size
     kw = common.engine_kwargs(
-        args, num_pages=sum(-(-(len(p) + args.new_tokens - 1) // page) for p in prompts),
+        args, num_pages=sum(cdiv(len(p) + args.new_tokens - 1, page) for p in prompts),
         max_num_seqs=max(len(prompts), 1),
         max_model_len=max(len(p) for p in prompts) + args.new_tokens)
 

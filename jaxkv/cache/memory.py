@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from jaxkv.config import KVSpec, cdiv
+from jaxkv.model.config import REQUIRED, count_params, read_dims
 
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4,
@@ -50,20 +51,22 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool = False
 
+    qk_norm: bool = False
+
     def num_params(self) -> int:
-        """Parameter count of a Llama-style model (gated MLP, RMSNorm)."""
-        E, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
-        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
-        embed = V * E * (1 if self.tie_word_embeddings else 2)
-        attn = E * H * D + 2 * E * K * D + H * D * E
-        if self.attention_bias:
-            attn += H * D + 2 * K * D
-        per_layer = attn + 3 * E * F + 2 * E
-        return embed + self.num_layers * per_layer + E
+        """Parameter count (the model's own formula, `jaxkv.model.config.count_params`)."""
+        return count_params(self)
+
+    @classmethod
+    def from_config(cls, config, name: str) -> ModelShape:
+        """The shape of a `jaxkv.ModelConfig` (a loaded model's)."""
+        return cls(name, **{f.name: getattr(config, f.name)
+                            for f in dataclasses.fields(cls) if f.name != "name"})
 
     @classmethod
     def from_hf_config(cls, path_or_dict, name: str | None = None) -> ModelShape:
-        """Build from a Hugging Face config.json (file, folder holding one, or dict)."""
+        """Build from a Hugging Face config.json (file, folder holding one, or dict), read
+        by the model's own reader (`jaxkv.model.config.read_dims`)."""
         if isinstance(path_or_dict, dict):
             config, source = path_or_dict, "<dict>"
             default_name = config.get("_name_or_path") or config.get("model_type") or "custom"
@@ -79,32 +82,13 @@ class ModelShape:
                 raise ValueError(f"{path} is not valid JSON: {e}") from None
             source, default_name = str(path), path.parent.name or "custom"
 
-        def get(key, default=None, required=True):
+        def get(key, default=REQUIRED):
             value = config.get(key)
-            if value is None:
-                if required:
-                    raise ValueError(f"missing required key {key!r} in {source}")
-                return default
-            return value
+            if value is None and default is REQUIRED:
+                raise ValueError(f"missing required key {key!r} in {source}")
+            return default if value is None else value
 
-        num_heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
-        if config.get("model_type") == "qwen2":
-            bias = True
-        else:
-            bias = bool(config.get("attention_bias", False))
-        return cls(
-            name=name or str(default_name),
-            num_layers=int(get("num_hidden_layers")),
-            hidden_size=hidden,
-            intermediate_size=int(get("intermediate_size")),
-            num_heads=num_heads,
-            num_kv_heads=int(get("num_key_value_heads", num_heads, required=False)),
-            head_dim=int(get("head_dim", hidden // num_heads, required=False)),
-            vocab_size=int(get("vocab_size")),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False, required=False)),
-            attention_bias=bias,
-        )
+        return cls(name=name or str(default_name), **read_dims(get))
 
 
 def _preset(name, L, E, F, H, K, D, V, tied=False, bias=False) -> ModelShape:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from jaxkv.cache.prefix import COUNTERS, PrefixMatch, Transfer
 from jaxkv.cache.radix_node import Node, RadixEntry, common_len, path_to_root
+from jaxkv.config import cdiv
 
 if TYPE_CHECKING:  # only for annotations: this file runs on the standard library alone
     from jaxkv.cache.allocator import PageAllocator
@@ -171,8 +172,8 @@ class RadixCache:
         of tokens newly cached.
         """
         s, n = self.page_size, len(tokens)
-        if len(pages) < -(-n // s):
-            raise ValueError(f"insert: {n} tokens need {-(-n // s)} pages, got {len(pages)}")
+        if len(pages) < cdiv(n, s):
+            raise ValueError(f"insert: {n} tokens need {cdiv(n, s)} pages, got {len(pages)}")
         node, pos, added = self._root(salt), 0, 0
         while pos < n:
             child = node.children.get(tokens[pos])

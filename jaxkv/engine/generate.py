@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
+from jaxkv.config import cdiv
 from jaxkv.kv import init_state, kv_bytes_per_token
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
@@ -132,7 +133,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
             seqs.append(_Seq(len(seqs), prompt, sp, request_key(seed, j), []))
-    pages_per_seq = [-(-(len(s.prompt) + s.params.max_tokens) // page_size) for s in seqs]
+    pages_per_seq = [cdiv(len(s.prompt) + s.params.max_tokens, page_size) for s in seqs]
     allocator = PageAllocator(sum(pages_per_seq))
     for s, n in zip(seqs, pages_per_seq, strict=True):
         s.pages = allocator.allocate(n)
@@ -146,7 +147,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
                             kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype))
 
     def tokens_bucket(n):
-        return -(-n // 16) * 16 if exact_shapes else pow2(max(n, 16))
+        return cdiv(n, 16) * 16 if exact_shapes else pow2(max(n, 16))
 
     def run(rows, finishing):
         """One step; samples a token for each row in `finishing` (a slot -> seq map)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count, for memory planning and model cards."""
-        e, h, k, d, f, v = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                            self.intermediate_size, self.vocab_size)
-        layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f + 2 * e
-        layer += (h * d + 2 * k * d) if self.attention_bias else 0
-        layer += 2 * d if self.qk_norm else 0
-        return v * e * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + e
+        return count_params(self)
 
     @classmethod
     def bench(cls, num_layers: int = 12, hidden_size: int = 768) -> ModelConfig:
@@ -140,6 +136,40 @@ def _rope_dict(hf) -> dict[str, Any]:
     return dict(rope)
 
 
+REQUIRED = object()
+
+
+def read_dims(get: Callable[..., Any]) -> dict[str, Any]:
+    """The dimensions of an HF ``config.json`` that shapes and memory depend on, read through
+    ``get(key, default)`` (``get(key)`` for a required key): the one reader behind
+    `ModelConfig.from_hf` and the memory calculator's `ModelShape.from_hf_config`."""
+    model_type = get("model_type", None)
+    num_heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
+    return dict(
+        num_layers=int(get("num_hidden_layers")),
+        hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("num_key_value_heads", None) or num_heads),
+        head_dim=int(get("head_dim", None) or hidden // num_heads),
+        vocab_size=int(get("vocab_size")),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def count_params(shape) -> int:
+    """Parameter count of a Llama-family decoder (gated MLP, RMSNorm; q/k/v biases and q/k
+    norms when the shape has them), from any object with `read_dims`' fields."""
+    e, h, k, d, f, v = (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                        shape.intermediate_size, shape.vocab_size)
+    layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f + 2 * e
+    layer += (h * d + 2 * k * d) if shape.attention_bias else 0
+    layer += 2 * d if shape.qk_norm else 0
+    return v * e * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + e
+
+
 def _from_hf_config(hf) -> ModelConfig:
     model_type = getattr(hf, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -183,26 +213,18 @@ def _from_hf_config(hf) -> ModelConfig:
         raise UnsupportedModelError(
             f"use_sliding_window=True on {model_type} (per-layer windows) is not supported"
         )
-    num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    attention_bias = model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+
+    def get(key, default=REQUIRED):
+        return getattr(hf, key) if default is REQUIRED else getattr(hf, key, default)
+
     return ModelConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
+        **read_dims(get),
         rms_norm_eps=float(hf.rms_norm_eps),
         rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
         sliding_window=sliding_window,
         model_type=model_type,
         bos_token_id=getattr(hf, "bos_token_id", None),

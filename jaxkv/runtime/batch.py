@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from flax import struct
 
+from jaxkv.config import cdiv
+
 MIN_TOKENS = 16  # the smallest token bucket
 
 
@@ -130,7 +132,7 @@ def build_batch(rows: Sequence[Row], table: PageTable, *, tokens_bucket: int,
         if r.start < 0:
             raise ValueError(f"build_batch: start must be >= 0, got {r.start}")
         end = r.start + len(r.tokens)
-        need = -(-end // s)
+        need = cdiv(end, s)
         if len(r.pages) < need:
             raise ValueError(f"build_batch: slot {r.slot} needs {need} pages for {end} tokens, "
                              f"got {len(r.pages)}")

@@ -15,7 +15,7 @@ class CompileCount:
     def __init__(self):
         self.count, self.seconds = 0, 0.0
 
-    def _listen(self, event: str, duration: float, **_) -> None:
+    def listen(self, event: str, duration: float, **_) -> None:
         if event == _COMPILE_EVENT:
             self.count += 1
             self.seconds += duration
@@ -25,8 +25,8 @@ class CompileCount:
 def count_compiles():
     """``with count_compiles() as c: ...`` counts the compiles inside into ``c.count``."""
     counter = CompileCount()
-    jax.monitoring.register_event_duration_secs_listener(counter._listen)
+    jax.monitoring.register_event_duration_secs_listener(counter.listen)
     try:
         yield counter
     finally:
-        jax.monitoring.unregister_event_duration_listener(counter._listen)
+        jax.monitoring.unregister_event_duration_listener(counter.listen)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.config import cdiv
+
 TOP_K_CAP = 256  # candidates for top-k / top-p thresholds
 MAX_BANNED = 16  # token ids a row can ban at one step (its stop ids before min_tokens)
 CDF_BLOCK = 512  # vocabulary entries per block of the two-pass inverse CDF
@@ -101,7 +103,7 @@ def _inverse_cdf(x, u):
     """Index drawn from softmax(x) per row (x f32[B, V], -inf = excluded; u f32[B] in [0, 1))."""
     b, v = x.shape
     block = min(CDF_BLOCK, v)
-    nb = -(-v // block)
+    nb = cdiv(v, block)
     m = jnp.max(x, axis=-1, keepdims=True)
     xp = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
     p = jnp.exp(xp - m).reshape(b, nb, block)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv.bench.common import REPO
+from jaxkv.config import cdiv
 
 DATA = REPO / "scripts" / "data" / "step_models.json"
 
@@ -159,7 +160,7 @@ def _cpu_model() -> dict:
     rows_x, times = [], []
     for kind, n, c in cases:
         if kind == "p":
-            rows = [Row(0, [1] * n, c, range(-(-(c + n) // page)))]
+            rows = [Row(0, [1] * n, c, range(cdiv(c + n, page)))]
             x = (n, 1, c + n, chunk_pairs(c, n))
         else:
             rows = [Row(b, [1], c, range(b * width, b * width + c // page + 1)) for b in range(n)]
