@@ -4,7 +4,7 @@ and n-way samples.
 The core owns the request table, admission (`jaxkv.engine.intake`) and the loop of one step:
 
     plan = scheduler.schedule()            host: rows, pages, copies (may evict or preempt)
-    read = runner.launch...(plan)          device: copies, then a ragged step or a decode loop
+    read = launch.launch(engine, plan)     device: copies, then a ragged step or a decode loop
     tokens = read(); scheduler.update(...) host: tokens appended, finished requests freed
     outputs.build_output(...)              text, logprobs, the output kind's view
 
@@ -12,7 +12,8 @@ The core owns the request table, admission (`jaxkv.engine.intake`) and the loop 
 (`ReplicatedEngine`, `DisaggregatedEngine`) dispatches every engine's device work before
 reading any back. While only decodes run and nothing waits, `dispatch` chains decode loops:
 the next one starts from the device's own tokens before the current one is read (async
-scheduling), so the host's reading and bookkeeping overlap device work.
+scheduling; `jaxkv.engine.launch`), so the host's reading and bookkeeping overlap device
+work.
 
 The device side (weights, KV state, programs, page copies) is the `ModelRunner`
 (`jaxkv.engine.runner`); settings come from `jaxkv.config.EngineConfig`.
@@ -28,15 +29,13 @@ from jaxkv.cache.host_radix import HostTieredRadixCache
 from jaxkv.cache.prefix import NullPrefixCache
 from jaxkv.cache.radix import RadixCache
 from jaxkv.config import EngineConfig, field_sections, unknown_setting
-from jaxkv.engine import intake, weights
+from jaxkv.engine import intake, launch, weights
 from jaxkv.engine.client import Dispatched
 from jaxkv.engine.outputs import RequestEntry, build_output
-from jaxkv.engine.request import EngineStats, RequestOutput, RequestStatus
+from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.engine.runner import LoopRun, ModelRunner
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.model.pretrained import Model
-from jaxkv.runtime.processors import has_processors
-from jaxkv.runtime.steps import MAX_STOP_IDS
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.sharding import place_params
 
@@ -244,15 +243,15 @@ class Engine:
         if self._inflight is not None:
             current, self._inflight = self._inflight, None
             try:
-                self._inflight = self._chain(current)
+                self._inflight = launch.chain(self, current)
             except Exception as e:  # noqa: BLE001
                 return Dispatched(outputs, current.plan, error=e)
             return Dispatched(outputs, current.plan, current.read)
         plan = self.scheduler.schedule()
         try:
-            launched = self._launch(plan)
+            launched = launch.launch(self, plan)
             if isinstance(launched, LoopRun):
-                self._inflight = self._chain(launched)
+                self._inflight = launch.chain(self, launched)
                 launched = launched.read
         except Exception as e:  # noqa: BLE001 - any failure of the step fails its requests
             return Dispatched(outputs, plan, error=e)
@@ -304,68 +303,6 @@ class Engine:
         """Runs the copies the host tier queued (before anything reads or reuses the pages)."""
         if self.runner.host_pool is not None:
             self.runner.run_host_copies(self.radix.take_transfers())
-
-    def _launch(self, plan):
-        """Dispatches the device part of a step (copies, then a ragged step or a decode
-        loop); returns its `TokenRead`, a `LoopRun`, or None when no row runs."""
-        self.run_cache_copies()  # first: saves read pages this plan freed, loads fill pages
-        self.runner.copy_pages(plan.copies)  # a copy's source may have been freed by the plan
-        if self.runner.debug_nan_freed_pages:  # poison what is free now (a copy's
-            self.runner.poison_pages(self.allocator.drain_freed())  # destination never is)
-        if not plan.rows:
-            return None
-        n = self._loop_steps(plan)
-        if n > 1:
-            reqs = [r.request for r in plan.decode_rows]
-            limits = self.scheduler.reserve(reqs, [r.start for r in plan.decode_rows], [
-                min(n, q.sampling_params.max_tokens - q.num_output_tokens) for q in reqs])
-            self.run_cache_copies()  # reserving may have moved cache entries to the host
-            return self.runner.launch_loop(plan, limits, n, self.weight_version)
-        return self.runner.launch_step(plan.rows, self.weight_version)
-
-    def _loop_steps(self, plan) -> int:
-        """How many decode steps to run on device for this plan (1: a plain step): only
-        decodes, no request waiting, and every row's stop ids checkable on device."""
-        most = self.runner.steps.max_decode_steps
-        if (most == 1 or plan.prefill_rows or self.scheduler.waiting
-                or self.scheduler.hand_off_after_prefill  # a prompt's last token: hand off
-                or any(len(r.samples) != 1 or r.samples[0].logprobs is not None
-                       or has_processors(r.samples[0].sampling_params)
-                       for r in plan.decode_rows)):
-            return 1  # (logprobs and processors work on the single step's logits)
-        left = 0
-        for r in plan.decode_rows:
-            seq = r.samples[0]
-            if len(self.runner.stop_ids(seq)) > MAX_STOP_IDS:
-                return 1
-            left = max(left, seq.sampling_params.max_tokens - seq.num_output_tokens)
-        return min(most, left)
-
-    def _chain(self, current: LoopRun) -> LoopRun | None:
-        """Dispatches the continuation of a loop whose tokens are not read yet, or returns
-        None: when a request waits, or the loop no longer holds every running sequence.
-
-        The host reserves pages past the furthest position each row can have reached. A row
-        that ends on the host meanwhile (an abort) ends the chain before its pages can be
-        reused, and a stale write is ordered before any later program on the device."""
-        reqs = [r.request for r in current.plan.decode_rows]
-        if (not self.async_scheduling or self.scheduler.waiting
-                or len(reqs) != len(self.scheduler.running)
-                or any(q.status is not RequestStatus.RUNNING for q in reqs)):
-            return None
-        starts = [s + k for s, k in zip(current.starts, current.limits, strict=True)]
-        generated = [g + k for g, k in zip(current.generated, current.limits, strict=True)]
-        left = [q.sampling_params.max_tokens - g for q, g in zip(reqs, generated, strict=True)]
-        n = min(self.runner.steps.max_decode_steps, max(left))
-        if n < 1:
-            return None
-        wants = [min(n, x) for x in left]
-        limits = self.scheduler.reserve(reqs, starts, wants)
-        self.run_cache_copies()
-        if any(w > 0 and k == 0 for w, k in zip(wants, limits, strict=True)):
-            return None  # a row without pages: `schedule` (which may preempt) takes over
-        return self.runner.continue_loop(current, starts, limits, generated, n,
-                                         self.weight_version)
 
     def loop_in_flight(self) -> LoopRun | None:
         """The decode loop dispatched ahead whose tokens are not read yet, if any."""
