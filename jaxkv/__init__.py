@@ -17,8 +17,8 @@ from jaxkv.config import (
     RuntimeConfig,
     SchedulerConfig,
 )
+from jaxkv.disagg import DisaggregatedEngine
 from jaxkv.engine.client import EngineClient
-from jaxkv.engine.disagg import DisaggregatedEngine
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.generate import generate, generate_no_cache, generate_with_stats
 from jaxkv.engine.llm import LLM

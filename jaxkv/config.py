@@ -1,7 +1,7 @@
 """Engine settings: one frozen, documented dataclass per concern, composed into `EngineConfig`.
 
 Each setting is one field with its default and, right under it, a docstring that is also the
-`jaxkv serve` flag's help (`jaxkv.config_cli`). `EngineConfig.from_kwargs` maps the flat
+`jaxkv serve` flag's help (`jaxkv.cli_settings`). `EngineConfig.from_kwargs` maps the flat
 keywords of `LLM(...)` and `Engine(...)` (``page_size=32``) onto the fields; an unknown keyword
 is an error naming it and the nearest field. Each config validates itself once, in
 ``__post_init__``, with an error naming the field.

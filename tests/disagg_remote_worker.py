@@ -5,7 +5,7 @@
 
 Builds the test's random model on DEVICES virtual CPU devices (tensor parallel when > 1),
 listens on 127.0.0.1 (port printed as "LISTEN <port>"), and serves as a
-`jaxkv.engine.disagg_serve` worker until the front end (the test) stops it. The channel's
+`jaxkv.disagg.serve` worker until the front end (the test) stops it. The channel's
 authkey comes from the environment (JAXKV_TEST_AUTHKEY, hex).
 """
 
@@ -22,8 +22,8 @@ from multiprocessing.connection import Listener  # noqa: E402
 
 import jaxkv  # noqa: E402
 from jaxkv import Engine, ModelConfig  # noqa: E402
-from jaxkv.engine.disagg_serve import run_decode_worker, run_prefill_worker  # noqa: E402
-from jaxkv.runtime.kv_remote import KVPeer  # noqa: E402
+from jaxkv.disagg.kv_remote import KVPeer  # noqa: E402
+from jaxkv.disagg.serve import run_decode_worker, run_prefill_worker  # noqa: E402
 from jaxkv.sharding import make_mesh  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,

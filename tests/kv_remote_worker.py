@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from jaxkv import ModelConfig  # noqa: E402
+from jaxkv.disagg.kv_remote import KVPeer  # noqa: E402
 from jaxkv.kv import init_state  # noqa: E402
-from jaxkv.runtime.kv_remote import KVPeer  # noqa: E402
 from jaxkv.runtime.page_copy import gather_pages, load_pages  # noqa: E402
 from jaxkv.sharding import make_mesh, shard_state  # noqa: E402
 

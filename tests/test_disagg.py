@@ -17,8 +17,8 @@ from serving import assert_same_up_to_near_ties, drive, greedy_reference
 
 import jaxkv
 from jaxkv import Engine, SamplingParams
-from jaxkv.engine.disagg import DisaggregatedEngine
-from jaxkv.runtime import kv_transfer
+from jaxkv.disagg import DisaggregatedEngine, kv_transfer
+from jaxkv.disagg.transport import FakeTransport
 
 SHAPE = dict(page_size=4, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
 PREFILL = dict(SHAPE, num_pages=24)
@@ -32,11 +32,12 @@ def plain_model(tiny_config):
     return jaxkv.random_model(tiny_config, seed=0)
 
 
-def disaggregated(model, lockstep=False, **kw):
+def disaggregated(model, lockstep=False, transport=kv_transfer.PageMover, **kw):
     """The engines step independently unless ``lockstep`` (a reproducible interleaving, for
     tests that need one stage to be reached before another)."""
     return DisaggregatedEngine(Engine(model, **dict(PREFILL, **kw)),
-                               Engine(model, **dict(DECODE, **kw)), lockstep=lockstep)
+                               Engine(model, **dict(DECODE, **kw)), lockstep=lockstep,
+                               transport=transport)
 
 
 _REF: dict = {}
@@ -114,7 +115,7 @@ def leftovers(engine) -> tuple[int, int, int, int]:
     per = [side.stats() for side in (engine.prefill, engine.decode)]
     return (sum(s.kv_pages_used for s in per),
             sum(s.kv_pages_total - s.kv_pages_cached - s.kv_pages_free for s in per),
-            len(engine.prefill.scheduler.handoffs), len(engine.decode.scheduler.arrivals))
+            len(engine.handoffs.handoffs), len(engine.arrivals.arrivals))
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -143,7 +144,7 @@ def test_the_trace_shape_preempts_on_the_decode_side_and_makes_arrivals_wait(pla
     while engine.has_unfinished_requests():
         engine.step()
         engine.check()
-        waited |= bool(engine.prefill.scheduler.handoffs)  # handed off, no decode room yet
+        waited |= bool(engine.handoffs.handoffs)  # handed off, no decode room yet
     assert engine.decode.stats().preemptions > 0
     assert waited
 
@@ -206,12 +207,12 @@ def _stuck_handoff(model):
 
 def test_abort_of_a_handoff_waiting_for_decode_room_frees_its_prefill_pages(plain_model):
     engine = _stuck_handoff(plain_model)
-    assert len(engine.prefill.scheduler.handoffs) == 1
+    assert len(engine.handoffs.handoffs) == 1
     assert engine.prefill.stats().kv_pages_used == 6  # 22 prompt tokens held for the copy
     held = engine.prefill.stats().kv_pages_free
     engine.abort("next")
     engine.check()
-    assert not engine.prefill.scheduler.handoffs
+    assert not engine.handoffs.handoffs
     # its pages stay only in the prefill prefix cache (evictable), none held for it
     assert engine.prefill.stats().kv_pages_used == 0
     assert engine.prefill.stats().kv_pages_free + engine.prefill.stats().kv_pages_cached \
@@ -224,9 +225,9 @@ def test_abort_of_a_handoff_waiting_for_decode_room_frees_its_prefill_pages(plai
         engine.abort("next")
 
 
-def test_abort_of_a_transfer_in_flight_frees_its_decode_pages(plain_model, monkeypatch):
-    monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)  # never lands
-    engine = disaggregated(plain_model, lockstep=True)
+def test_abort_of_a_transfer_in_flight_frees_its_decode_pages(plain_model):
+    engine = disaggregated(plain_model, lockstep=True, transport=FakeTransport)
+    engine.mover.hold = True  # nothing lands
     engine.add_request("a", prompt_token_ids=list(range(4, 30)),
                        sampling_params=SamplingParams(temperature=0, max_tokens=5, n=2,
                                                       ignore_eos=True))
@@ -236,14 +237,14 @@ def test_abort_of_a_transfer_in_flight_frees_its_decode_pages(plain_model, monke
     for _ in range(20):
         engine.step()
         engine.check()
-        if len(engine.decode.scheduler.arrivals) == 2:
+        if len(engine.arrivals.arrivals) == 2:
             break
-    assert len(engine.decode.scheduler.arrivals) == 2  # both reserved, neither landed
+    assert len(engine.arrivals.arrivals) == 2  # both reserved, neither landed
     assert engine.decode.stats().kv_pages_free < engine.decode.num_pages
     engine.abort("a")
     engine.check()
-    assert len(engine.decode.scheduler.arrivals) == 1
-    monkeypatch.undo()
+    assert len(engine.arrivals.arrivals) == 1
+    engine.mover.hold = False
     outs = drive(engine)
     assert outs["a"].outputs[0].finish_reason == "abort" and len(outs["a"].outputs) == 2
     assert outs["b"].outputs[0].finish_reason == "length"
@@ -308,7 +309,7 @@ def test_a_failed_prefill_step_that_loses_the_pool_sends_waiting_handoffs_to_rec
     outs = drive(engine)
     assert outs["doomed"].outputs[0].finish_reason == "error"
     assert engine.prefill.state_resets == 1
-    assert not engine.prefill.scheduler.handoffs
+    assert not engine.handoffs.handoffs
     want = reference(plain_model, tuple(range(30, 52)), 4, 1)[0]
     assert_same_up_to_near_ties(outs["next"].outputs[0].token_ids, want)
     assert engine.decode.stats().computed_prompt_tokens >= 22  # recomputed there
@@ -324,13 +325,13 @@ def test_a_failed_prefill_step_that_loses_the_pool_sends_waiting_handoffs_to_rec
 
 
 def test_update_params_swaps_both_sides_recomputes_transfers_and_compiles_nothing(
-        plain_model, tiny_config, monkeypatch):
+        plain_model, tiny_config):
     from jaxkv.runtime.compiles import count_compiles
 
     new = jaxkv.random_model(tiny_config, seed=1)
     prompt = list(range(4, 26))
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    engine = disaggregated(plain_model)
+    engine = disaggregated(plain_model, transport=FakeTransport)
     engine.add_request("warm", prompt_token_ids=prompt, sampling_params=greedy)
     drive(engine)  # compiles what the repeat below runs
     hits = engine.prefill.stats().cached_prompt_tokens
@@ -351,14 +352,14 @@ def test_update_params_swaps_both_sides_recomputes_transfers_and_compiles_nothin
 
     # A request whose KV is in transfer when the weights change recomputes it on the decode
     # side: its first token came from version 1, the rest from version 2.
-    monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)
+    engine.mover.hold = True
     engine.add_request("moving", prompt_token_ids=prompt[:13], sampling_params=greedy)
-    while not engine.decode.scheduler.arrivals:
+    while not engine.arrivals.arrivals:
         engine.step()
-    monkeypatch.undo()
+    engine.mover.hold = False
     engine.update_params(plain_model.params)  # version 2: the first weights again
     engine.check()
-    assert not engine.decode.scheduler.arrivals and not engine.num_in_transfer()
+    assert not engine.arrivals.arrivals and not engine.num_in_transfer()
     moved = drive(engine)["moving"].outputs[0]
     assert moved.weight_versions == [1] + [2] * 5
     first = moved.token_ids[0]
@@ -383,13 +384,13 @@ def test_after_warmup_disaggregated_serving_compiles_nothing(plain_model):
     assert engine.transfers.requests == 5
 
 
-def test_both_engines_keep_stepping_while_a_transfer_is_in_flight(plain_model, monkeypatch):
-    engine = disaggregated(plain_model, lockstep=True)
+def test_both_engines_keep_stepping_while_a_transfer_is_in_flight(plain_model):
+    engine = disaggregated(plain_model, lockstep=True, transport=FakeTransport)
     engine.add_request("c", prompt_token_ids=list(range(4, 12)), sampling_params=SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))
     while engine.location("c") != "decode":
         engine.step()
-    monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)  # a slow link
+    engine.mover.hold = True  # a slow link
     engine.add_request("a", prompt_token_ids=list(range(20, 40)), sampling_params=SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True))
     engine.add_request("b", prompt_token_ids=list(range(50, 80)), sampling_params=SamplingParams(
@@ -403,9 +404,9 @@ def test_both_engines_keep_stepping_while_a_transfer_is_in_flight(plain_model, m
         engine.check()
     # "a" and "b" were prefilled (first tokens out) and wait in flight; "c" decoded meanwhile.
     assert engine.location("a") == engine.location("b") == "move"
-    assert len(engine.decode.scheduler.arrivals) == 2 and progress["c"] > 1
+    assert len(engine.arrivals.arrivals) == 2 and progress["c"] > 1
     assert progress["a"] == progress["b"] == 1
-    monkeypatch.undo()
+    engine.mover.hold = False
     done.update(drive(engine))
     assert [len(done[r].outputs[0].token_ids) for r in "abc"] == [3, 3, 12]
 
@@ -489,24 +490,24 @@ def test_decode_steps_do_not_wait_for_a_prefill_step_in_flight(plain_model):
 
 
 def test_a_failed_decode_step_that_loses_the_pool_recomputes_reserved_arrivals(
-        plain_model, monkeypatch):
+        plain_model):
     from test_faults import faulty
 
-    engine = disaggregated(plain_model, lockstep=True)
+    engine = disaggregated(plain_model, lockstep=True, transport=FakeTransport)
     shared = list(range(4, 20))  # 4 whole pages, cached on the decode side once "c" lands
     engine.add_request("c", prompt_token_ids=shared + [30, 31], sampling_params=SamplingParams(
         temperature=0, max_tokens=30, ignore_eos=True))
     while engine.location("c") != "decode":
         engine.step()
-    monkeypatch.setattr(kv_transfer.Payload, "ready", lambda self: False)
+    engine.mover.hold = True
     prompt = shared + list(range(40, 46))
     engine.add_request("a", prompt_token_ids=prompt, sampling_params=SamplingParams(
         temperature=0, max_tokens=5, ignore_eos=True))
-    while not engine.decode.scheduler.arrivals:
+    while not engine.arrivals.arrivals:
         engine.step()
-    assert engine.decode.scheduler.arrivals[0].num_shared == 4  # pages of the decode pool
+    assert engine.arrivals.arrivals[0].num_shared == 4  # pages of the decode pool
     engine.decode.steps = faulty(engine.decode.steps, fail_at=1, mode="consume")
-    monkeypatch.undo()
+    engine.mover.hold = False
     done = drive(engine)
     assert engine.decode.state_resets == 1
     assert done["c"].outputs[0].finish_reason == "error"

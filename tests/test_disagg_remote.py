@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation across processes (`jaxkv.engine.disagg_remote`).
+"""Prefill/decode disaggregation across processes (`jaxkv.disagg.remote`).
 
 The end-to-end test runs the prefill worker and the decode worker as two processes
 (tests/disagg_remote_worker.py: prefill on 1 virtual CPU device, decode tensor parallel on 2,
@@ -27,9 +27,10 @@ from serving import assert_same_up_to_near_ties, greedy_reference
 
 import jaxkv
 from jaxkv import Engine, ModelConfig, SamplingParams
-from jaxkv.engine.disagg_remote import DecodeWorker, PrefillWorker
-from jaxkv.engine.disagg_serve import FrontEnd
-from jaxkv.runtime.kv_remote import KVPeer
+from jaxkv.disagg.kv_remote import KVPeer
+from jaxkv.disagg.remote import PrefillWorker
+from jaxkv.disagg.remote_decode import DecodeWorker
+from jaxkv.disagg.serve import FrontEnd
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "disagg_remote_worker.py"
@@ -216,7 +217,7 @@ def test_aborts_before_reservation_and_after_the_offer_free_both_sides(model):
     p.abort("early")
     assert _in_use(p.engine) == 0
     step(d)
-    assert not d._incoming and not d.engine.scheduler.arrivals and _in_use(d.engine) == 0
+    assert not d._incoming and not d.connector.arrivals and _in_use(d.engine) == 0
     assert outs["early"].finished and outs["early"].outputs[0].finish_reason == "abort"
     assert len(outs["early"].outputs[0].token_ids) == 1
     assert "early" in p._handed  # until the decode side says it finished
@@ -235,7 +236,7 @@ def test_aborts_before_reservation_and_after_the_offer_free_both_sides(model):
     p.abort("late")
     assert _in_use(p.engine) == 0
     step(d)  # (the pull may even finish within this step)
-    assert not d._incoming and not d.engine.scheduler.arrivals and _in_use(d.engine) == 0
+    assert not d._incoming and not d.connector.arrivals and _in_use(d.engine) == 0
     assert d.counters["pages"] == p.counters["pages"] == 3  # late's pull was started
     _until(lambda: step(d) or not d._draining, "the drained pull")
     assert outs["late"].outputs[0].finish_reason == "abort" and len(outs["late"].outputs) == 2

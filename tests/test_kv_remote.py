@@ -1,4 +1,4 @@
-"""KV pages between two processes over jax.experimental.transfer (jaxkv.runtime.kv_remote).
+"""KV pages between two processes over jax.experimental.transfer (jaxkv.disagg.kv_remote).
 
 Each side is its own process (tests/kv_remote_worker.py) with its own virtual CPU devices,
 talking over loopback: the sender's pool splits kv heads over 2 devices, the receiver's over

@@ -27,7 +27,8 @@ RANK = {
 }
 HOST_ONLY = ("jaxkv.config", "jaxkv.cli_settings", "jaxkv.cache.allocator", "jaxkv.cache.prefix",
              "jaxkv.cache.radix", "jaxkv.cache.host_radix", "jaxkv.cache.memory",
-             "jaxkv.engine.scheduler", "jaxkv.engine.request", "jaxkv.sampling_params")
+             "jaxkv.engine.scheduler", "jaxkv.engine.request", "jaxkv.engine.connector",
+             "jaxkv.disagg.connector", "jaxkv.sampling_params")
 MAX_LINES = 500  # the target is ~450 (docs/architecture.md); this is where a test says no
 
 

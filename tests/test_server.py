@@ -331,7 +331,7 @@ def test_a_batch_of_prompts_with_a_bad_one_leaves_nothing_running(server):
 
 def test_a_disaggregated_engine_serves_and_counts_its_transfers(server):
     from jaxkv import Engine
-    from jaxkv.engine.disagg import DisaggregatedEngine
+    from jaxkv.disagg import DisaggregatedEngine
 
     llm = jaxkv.LLM(server.llm.model, max_model_len=256, num_pages=128, max_num_seqs=8)
     shape = dict(page_size=16, num_pages=64, max_num_seqs=8, max_model_len=256)

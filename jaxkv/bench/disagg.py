@@ -9,7 +9,7 @@ slices (see `jaxkv bench sim-disagg` for that). What is real and reported:
    colocated (one engine on device 0) and disaggregated (prefill on `--prefill-tp` devices,
    decode on the next `--decode-tp`): the tokens (must be identical), and the KV pages and
    bytes that moved and the pages the decode side's prefix cache already held;
-2. the page mover alone (`jaxkv.runtime.kv_transfer.PageMover`): for N pages, the time to
+2. the page mover alone (`jaxkv.disagg.kv_transfer.PageMover`): for N pages, the time to
    gather them on the prefill devices and put them on the decode devices (send, until the
    payload is ready), and to scatter them into the decode pool (receive), median of
    `--repeats`, with the bytes and the rate.
@@ -32,7 +32,7 @@ from jaxkv import Engine, SamplingParams
 from jaxkv.bench import common
 from jaxkv.bench.scaleout import virtual_devices
 from jaxkv.config import cdiv
-from jaxkv.engine.disagg import DisaggregatedEngine
+from jaxkv.disagg import DisaggregatedEngine
 from jaxkv.sharding import make_mesh
 
 NAME = "disagg"
@@ -77,9 +77,9 @@ def time_mover(engine: DisaggregatedEngine, n: int, repeats: int) -> tuple[float
     for _ in range(repeats + 1):  # the first compiles
         t0 = time.perf_counter()
         payload = mover.send(engine.prefill.state, src)
-        jax.block_until_ready(payload.parts)
+        payload.wait()
         t1 = time.perf_counter()
-        engine.decode.state = mover.receive(engine.decode.state, payload, dst)
+        engine.decode.write_kv(lambda state, p=payload: mover.receive(state, p, dst))
         jax.block_until_ready(engine.decode.state)
         t2 = time.perf_counter()
         send.append(t1 - t0)

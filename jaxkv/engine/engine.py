@@ -31,6 +31,7 @@ from jaxkv.cache.radix import RadixCache
 from jaxkv.config import EngineConfig, field_sections, unknown_setting
 from jaxkv.engine import intake, launch, weights
 from jaxkv.engine.client import Dispatched
+from jaxkv.engine.connector import SchedulerConnector
 from jaxkv.engine.outputs import RequestEntry, build_output
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.engine.runner import LoopRun, ModelRunner
@@ -42,9 +43,10 @@ from jaxkv.sharding import place_params
 _log = logging.getLogger(__name__)
 
 # The settings an Engine reads (the rest size pools and place engines: `LLM`'s).
+# Settings only `jaxkv.LLM` acts on: it sizes the pool from memory and loads the model.
+LLM_ONLY = frozenset({"kv_cache_memory_bytes", "kv_cache_memory_fraction", "dtype"})
 ENGINE_SETTINGS = frozenset(k for k, s in field_sections().items()
-                            if s in ("cache", "scheduler", "runtime")) - {
-    "kv_cache_memory_bytes", "kv_cache_memory_fraction", "dtype"}
+                            if s in ("cache", "scheduler", "runtime")) - LLM_ONLY
 
 
 class Engine:
@@ -71,6 +73,9 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig | None = None, *, mesh=None,
                  **settings):
         bad = [k for k in settings if k not in ENGINE_SETTINGS]
+        if bad and bad[0] in LLM_ONLY:
+            raise ValueError(f"Engine: unknown setting {bad[0]!r}: it is a jaxkv.LLM setting "
+                             "(an Engine takes num_pages and a loaded model)")
         if bad:
             raise ValueError(f"Engine: {unknown_setting(bad[0], ENGINE_SETTINGS)}")
         cfg = EngineConfig.from_kwargs(config, **settings)
@@ -126,7 +131,7 @@ class Engine:
     def limits(self) -> intake.RequestLimits:
         """What one request may use of this engine (a prefill engine holds only prompts)."""
         return intake.RequestLimits(self.max_model_len, self.num_pages, self.page_size,
-                                    self.max_num_seqs, self.scheduler.hand_off_after_prefill)
+                                    self.max_num_seqs, self.scheduler.connector.hands_off)
 
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids=None, sampling_params: SamplingParams | None = None,
@@ -281,8 +286,8 @@ class Engine:
         update = self.scheduler.update if kind == "step" else self.scheduler.update_loop
         progressed = update(plan, tokens, time.time())
         # The weights that sampled them: those the program was dispatched with (a loop read
-        # after an update ran with the old ones); a caller's own reader (scripts/
-        # profile_runtime.py replays one) read a program of the current weights.
+        # after an update ran with the old ones); a caller's own reader
+        # (jaxkv/bench/profile.py replays one) read a program of the current weights.
         version = getattr(read, "version", self.weight_version)
         for seq in progressed:
             seq.token_versions += [version] * (seq.num_output_tokens - len(seq.token_versions))
@@ -303,6 +308,18 @@ class Engine:
         """Runs the copies the host tier queued (before anything reads or reuses the pages)."""
         if self.runner.host_pool is not None:
             self.runner.run_host_copies(self.radix.take_transfers())
+
+    def write_kv(self, update) -> None:
+        """Replaces the KV state by ``update(state)`` (the state is donated): how pages copied
+        in from another engine (`jaxkv.disagg`) land in this one's pool."""
+        self.runner.state = update(self.runner.state)
+
+    def use_connector(self, connector: SchedulerConnector) -> None:
+        """Plugs in where requests go when they leave before finishing
+        (`jaxkv.engine.connector`; `jaxkv.disagg` hands them from prefill to decode)."""
+        if self.has_unfinished_requests():
+            raise ValueError("Engine.use_connector: the engine must be idle")
+        self.scheduler.connector = connector
 
     def loop_in_flight(self) -> LoopRun | None:
         """The decode loop dispatched ahead whose tokens are not read yet, if any."""
@@ -351,10 +368,10 @@ class Engine:
 
     def programs(self) -> list[tuple[str, int]]:
         """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
-        ("copy_pages", N), ("sample", B), ("logprobs", B), and ("fill_pages", N) with
-        debug_nan_freed_pages. Not listed: the small programs that requests with
-        ``prompt_logprobs`` (one per token bucket) or logits processors (one per entry
-        bucket) compile on first use."""
+        ("copy_pages", N), ("sample", B), ("logprobs", B), ("fill_pages", N) with
+        debug_nan_freed_pages, and ("host_save", N) / ("host_load", N) with a host tier.
+        Not listed: the small programs that requests with ``prompt_logprobs`` (one per token
+        bucket) or logits processors (one per entry bucket) compile on first use."""
         return self.runner.programs()
 
     def warmup(self) -> int:

@@ -44,7 +44,7 @@ def loop_steps(engine: Engine, plan: SchedulerOutput) -> int:
     decodes, no request waiting, and every row's stop ids checkable on device."""
     most = engine.runner.steps.max_decode_steps
     if (most == 1 or plan.prefill_rows or engine.scheduler.waiting
-            or engine.scheduler.hand_off_after_prefill  # a prompt's last token: hand off
+            or engine.scheduler.connector.hands_off  # a prompt's last token: hand off
             or any(len(r.samples) != 1 or r.samples[0].logprobs is not None
                    or has_processors(r.samples[0].sampling_params)
                    for r in plan.decode_rows)):

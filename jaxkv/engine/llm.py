@@ -13,7 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxkv.config import DisaggConfig, EngineConfig, field_sections, unknown_setting
-from jaxkv.engine.disagg import DisaggregatedEngine
+from jaxkv.disagg import DisaggregatedEngine
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.pool_plan import model_kv_spec, plan_kv_pool
 from jaxkv.engine.replicas import ReplicatedEngine
@@ -59,7 +59,7 @@ class LLM:
     replica) for prefix-cache pages the device pool evicts.
 
     ``prefill_devices`` and ``decode_devices`` (disjoint lists of devices) disaggregate
-    prefill from decode (`jaxkv.engine.disagg`): prompts run on an engine on the first,
+    prefill from decode (`jaxkv.disagg`): prompts run on an engine on the first,
     decoding continues on an engine on the second, the KV pages the decode side lacks copied
     over in between. Each side is tensor parallel over all its devices: their count must equal
     ``prefill_tensor_parallel_size`` / ``decode_tensor_parallel_size``, which default to

@@ -43,6 +43,8 @@ from collections.abc import Collection, Sequence
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.prefix import PrefixCache
+from jaxkv.config import cdiv
+from jaxkv.engine.connector import NullConnector, SchedulerConnector
 from jaxkv.engine.request import Request, RequestStatus, cache_namespace
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
@@ -80,28 +82,6 @@ class SchedulerOutput:
         return self.decode_rows + self.prefill_rows
 
 
-@dataclasses.dataclass(eq=False)
-class Handoff:
-    """A request whose prompt ran on the prefill side: its sample streams (each holding its
-    first token) and the pages holding the KV of its first ``num_tokens`` tokens."""
-
-    seqs: list[Request]
-    pages: list[int]
-    num_tokens: int
-
-
-@dataclasses.dataclass(eq=False)
-class Arrival:
-    """A handed-off request's place on the decode side while its KV is in transfer: its
-    pages, of which the first ``num_shared`` came from the local prefix cache (the rest wait
-    for the copy), and its sample streams, each holding a slot."""
-
-    seqs: list[Request]
-    pages: list[int]
-    num_shared: int
-    num_tokens: int
-
-
 @dataclasses.dataclass
 class SchedulerCounters:
     cached_prompt_tokens: int = 0
@@ -125,18 +105,16 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order: the newest is preempted first
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # state slots no sequence holds
         self._fork_slots: dict[Request, list[int]] = {}  # reserved for a parent's samples
         self._decode_turn = 0  # where the next step's decodes start when they exceed the budget
         # The weights admissions compute KV with (`Engine.update_params`): part of the prefix-
         # cache namespace, so no request reuses KV computed by other weights.
         self.weight_version: int | str = 0
         self.counters = SchedulerCounters()
-        # Prefill/decode disaggregation: a prefill-side scheduler hands requests off after
-        # their first token; a decode-side one holds arrivals until their KV is copied in.
-        self.hand_off_after_prefill = False
-        self.handoffs: list[Handoff] = []
-        self.arrivals: list[Arrival] = []
+        # Where a request's KV goes when it leaves before finishing (`jaxkv.engine.connector`;
+        # prefill/decode disaggregation plugs one in).
+        self.connector: SchedulerConnector = NullConnector()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -181,7 +159,7 @@ class Scheduler:
     def _pages_needed(self, req: Request, n: int) -> tuple[int, int | None]:
         """(pages to allocate, index of a shared page to copy before writing, or None)."""
         s, start = self.page_size, req.num_computed_tokens
-        new = max(0, -(-(start + n) // s) - len(req.pages))
+        new = max(0, cdiv(start + n, s) - len(req.pages))
         cow = start // s if start % s and self.allocator.refcount(req.pages[start // s]) > 1 \
             else None
         return new + (cow is not None), cow
@@ -208,13 +186,20 @@ class Scheduler:
         req.pages += self.allocator.allocate(need)
         return True
 
+    def make_room(self, need: int) -> bool:
+        """Evicts from the prefix cache until ``need`` pages are free, or nothing is left to
+        evict; True if they are free. It never preempts."""
+        while self.allocator.num_free < need and self._evict(need):
+            pass
+        return self.allocator.num_free >= need
+
     def _evict(self, need: int) -> bool:
         """Evicts from the prefix cache toward `need` free pages; True if any page was freed."""
         short = need - self.allocator.num_free
         return short > 0 and self.radix.evict(short) > 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        if budget == 0 or not self.waiting or not self._free_slots:
+        if budget == 0 or not self.waiting or not self.free_slots:
             return
         admitted = []
         for req in self._waiting_order():
@@ -257,7 +242,7 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, *,
                reuse_partial: bool) -> bool:
-        if len(self._free_slots) < 1 + len(req.forks):
+        if len(self.free_slots) < 1 + len(req.forks):
             return False
         s, tokens = self.page_size, req.token_ids
         match, cached, promoted = None, 0, 0
@@ -277,10 +262,8 @@ class Scheduler:
         else:  # shared pages are safe from eviction once we hold them
             self.allocator.share(shared)
         chunk = min(len(tokens) - cached, budget)
-        need = -(-(cached + chunk) // s) - full
-        while self.allocator.num_free < need and self._evict(need):
-            pass
-        if self.allocator.num_free < need:
+        need = cdiv(cached + chunk, s) - full
+        if not self.make_room(need):
             if locked:
                 self.radix.unlock(match.handle)
             else:
@@ -295,9 +278,9 @@ class Scheduler:
         req.kv_version = self.weight_version
         req.prefix_handle = match.handle if locked else None
         req.prefill_end, req.status = len(tokens), RequestStatus.RUNNING
-        req.slot = self._free_slots.pop()
+        req.slot = self.free_slots.pop()
         if req.forks:
-            self._fork_slots[req] = [self._free_slots.pop() for _ in req.forks]
+            self._fork_slots[req] = [self.free_slots.pop() for _ in req.forks]
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
         if match is not None:
@@ -323,7 +306,7 @@ class Scheduler:
             req.num_computed_tokens = end
             self.counters.computed_prompt_tokens += max(0, min(req.prefill_end, end) - row.start)
             if row.start < req.prefill_end:
-                self._cache_full_pages(req)
+                self.cache_full_pages(req)
             if not row.samples:
                 continue
             if req.forks:
@@ -332,8 +315,8 @@ class Scheduler:
                 self._take_token(seq, token, now)
                 progressed.append(seq)
             going = [seq for seq in row.samples if not seq.is_done]
-            if self.hand_off_after_prefill and going:
-                self._hand_off(going)
+            if going:
+                self.connector.on_prefilled(going)
         return progressed
 
     def _take_token(self, seq: Request, token: int, now: float) -> bool:
@@ -355,7 +338,7 @@ class Scheduler:
         s, limits = self.page_size, []
         for req, start, want in zip(reqs, starts, wants, strict=True):
             want = max(0, want)
-            extra = -(-(start + want) // s) - len(req.pages)
+            extra = cdiv(start + want, s) - len(req.pages)
             if extra > self.allocator.num_free:
                 self._evict(extra)  # pages only the prefix cache holds are in no row's table
             if extra > self.allocator.num_free:
@@ -380,14 +363,14 @@ class Scheduler:
                 req.num_computed_tokens += 1
                 if req.num_computed_tokens == req.prefill_end:  # the prompt's last token ran
                     self.counters.computed_prompt_tokens += 1  # here (a one-token chunk)
-                    self._cache_full_pages(req)
+                    self.cache_full_pages(req)
                 if self._take_token(req, token, now):
                     break
             if toks:
                 progressed.append(req)
         return progressed
 
-    def _cache_full_pages(self, req: Request) -> None:
+    def cache_full_pages(self, req: Request) -> None:
         """Offers a prompt's computed whole pages to the prefix cache, so requests arriving
         while it runs can share them (a partial last page is still being written)."""
         full = req.num_computed_tokens // self.page_size
@@ -442,101 +425,23 @@ class Scheduler:
         self.running.remove(req)
         n = req.num_computed_tokens
         if cache and n:
-            self.radix.insert(req.token_ids[:n], req.pages[:-(-n // self.page_size)],
+            self.radix.insert(req.token_ids[:n], req.pages[:cdiv(n, self.page_size)],
                               req.cache_namespace)
         self.allocator.free(req.pages)
         req.pages, req.pages_offered = [], 0
         if req.prefix_handle is not None:
             self.radix.unlock(req.prefix_handle)
             req.prefix_handle = None
-        self._free_slots.append(req.slot)
-        self._free_slots.extend(self._fork_slots.pop(req, ()))
+        self.free_slots.append(req.slot)
+        self.free_slots.extend(self._fork_slots.pop(req, ()))
         req.slot = None
-
-    # ---- prefill/decode disaggregation (`jaxkv.engine.disagg`) ----------------------------
-
-    def _hand_off(self, seqs: list[Request]) -> None:
-        """Takes a request's sample streams off this (prefill) scheduler once its prompt ran and
-        each drew its first token: slots freed, prompt KV offered to the prefix cache, and its
-        pages held by a `Handoff` until the decode side has copied them."""
-        first, s = seqs[0], self.page_size
-        n = first.num_computed_tokens  # the prompt (every sample shares its pages)
-        pages = list(first.pages)
-        self.radix.insert(first.token_ids[:n], pages[:-(-n // s)], first.cache_namespace)
-        for seq in seqs:
-            self.running.remove(seq)
-            if seq is not first:
-                self.allocator.free(seq.pages)  # the Handoff keeps one reference
-            if seq.prefix_handle is not None:
-                self.radix.unlock(seq.prefix_handle)
-                seq.prefix_handle = None
-            self._free_slots.append(seq.slot)
-            seq.slot, seq.pages, seq.pages_offered = None, [], 0
-            seq.status = RequestStatus.TRANSFERRING
-        self.handoffs.append(Handoff(seqs, pages, n))
-
-    def release_handoff(self, handoff: Handoff) -> None:
-        """Drops a handoff's pages (its transfer has been dispatched, or it was aborted)."""
-        self.handoffs.remove(handoff)
-        self.allocator.free(handoff.pages)
-
-    def reserve_arrival(self, handoff: Handoff) -> Arrival | None:
-        """Gives a handed-off request pages and slots on this (decode) scheduler: whole pages
-        its prefix cache already holds are shared, fresh pages take the rest of the prompt's
-        KV, which the caller copies in from the prefill side. None (changing nothing) when the
-        slots or pages are not there now; it never preempts."""
-        seqs, n, s = handoff.seqs, handoff.num_tokens, self.page_size
-        if len(self._free_slots) < len(seqs):
-            return None
-        first = seqs[0]
-        shared, match = [], None
-        if not first.needs_prompt_logits:
-            space = first.cache_namespace  # pages of the weights that computed its prompt
-            self.radix.promote(first.token_ids[:n], space)
-            match = self.radix.match_prefix(first.token_ids[:n], space, peek=True)
-            shared = list(match.pages[:match.num_tokens // s])
-        self.allocator.share(shared)
-        need = -(-n // s) - len(shared)
-        while self.allocator.num_free < need and self._evict(need):
-            pass
-        if self.allocator.num_free < need:
-            self.allocator.free(shared)
-            return None
-        pages = shared + self.allocator.allocate(need)
-        if match is not None:
-            self.radix.record(match, n, len(shared) * s)
-        for i, seq in enumerate(seqs):
-            if i:
-                self.allocator.share(pages)
-            seq.pages, seq.slot = list(pages), self._free_slots.pop()
-            seq.num_computed_tokens = seq.prefill_end = n
-        arrival = Arrival(seqs, pages, len(shared), n)
-        self.arrivals.append(arrival)
-        return arrival
-
-    def land(self, arrival: Arrival) -> None:
-        """The arrival's pages hold its KV now (copies queued on device): its samples run."""
-        self.arrivals.remove(arrival)
-        for seq in arrival.seqs:
-            seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
-        self._cache_full_pages(arrival.seqs[0])
-
-    def cancel_arrival(self, arrival: Arrival) -> None:
-        """Gives back an arrival's pages and slots (its request was aborted in transfer)."""
-        self.arrivals.remove(arrival)
-        for seq in arrival.seqs:
-            self.allocator.free(seq.pages)
-            self._free_slots.append(seq.slot)
-            seq.pages, seq.slot = [], None
 
     # ---- accounting ----------------------------------------------------------------------
 
     def holders(self) -> list[list[int]]:
         """One page list per reference holder, for ``PageAllocator.check(holders=...)``."""
         held = [list(r.pages) for r in self.running]
-        held += [list(h.pages) for h in self.handoffs]
-        held += [list(seq.pages) for a in self.arrivals for seq in a.seqs]
+        held += self.connector.held_pages()
         held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
         return held
 
@@ -544,7 +449,6 @@ class Scheduler:
         """(pages held by running sequences and by requests in a prefill-to-decode transfer,
         pages held only by the prefix cache)."""
         used = {p for r in self.running for p in r.pages}
-        used |= {p for h in self.handoffs for p in h.pages}
-        used |= {p for a in self.arrivals for seq in a.seqs for p in seq.pages}
+        used |= {p for pages in self.connector.held_pages() for p in pages}
         cached = set(self.radix.held_pages()) - used
         return len(used), len(cached)

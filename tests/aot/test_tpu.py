@@ -219,7 +219,7 @@ TRANSFER_COLUMNS = ["chip", "pool", "program", "pages moved", "pool MiB", "temp 
 def _transfer_programs(model, page_size, kv, table):
     """Compiles the gather (prefill side) and the scatter (decode side) of 64 pages of a
     1 GiB pool for v5e; records both in the table."""
-    from jaxkv.runtime import kv_transfer
+    from jaxkv.disagg import kv_transfer
 
     case = aot_steps.StepCase(model, "decode", 1.0, 1, 1, 4096, page_size=page_size,
                               kv_cache_dtype=kv)
@@ -230,7 +230,7 @@ def _transfer_programs(model, page_size, kv, table):
     payload = aot_tpu.on_chip("v5e", jax.eval_shape(kv_transfer.export_pages, state, ids, None))
     scatter = aot_tpu.compile_for("v5e", kv_transfer.import_pages, state, ids, *payload, None)
     for name, r in (("export_pages", export), ("import_pages", scatter)):
-        table("KV transfer programs on TPU (jaxkv.runtime.kv_transfer)", TRANSFER_COLUMNS,
+        table("KV transfer programs on TPU (jaxkv.disagg.kv_transfer)", TRANSFER_COLUMNS,
               ["v5e", f"{model} S={page_size} {kv}", name, 64, pool // MiB,
                f"{r.temp_bytes / MiB:.1f}", f"{r.largest_copy() / MiB:.1f}",
                r.alias_bytes // MiB, f"{r.seconds:.1f}"])
@@ -239,7 +239,7 @@ def _transfer_programs(model, page_size, kv, table):
 
 @pytest.mark.parametrize("model, page_size", [("llama-3.2-1b", 16), ("llama-3.2-3b", 64)])
 def test_kv_transfer_programs_leave_the_pool_in_place(model, page_size, table):
-    """Prefill/decode disaggregation's programs (jaxkv.runtime.kv_transfer) on a bf16 pool:
+    """Prefill/decode disaggregation's programs (jaxkv.disagg.kv_transfer) on a bf16 pool:
     the gather of a request's pages copies no pool (a gather along the page axis relaid the
     whole pool out at head_dim 128: `gather_pages` reads page by page), and the scatter into
     the decode pool updates the donated pool in place."""
@@ -276,7 +276,7 @@ def test_page_copies_leave_a_bf16_pool_in_place(model, page_size, table):
             ("copy_pages", aot_tpu.compile_for("v5e", copy_pages, state, ids, ids)),
             ("fill_pages", aot_tpu.compile_for("v5e", fill_pages, state, ids,
                                                aot_tpu.abstract("v5e", (), jnp.float32)))):
-        table("KV transfer programs on TPU (jaxkv.runtime.kv_transfer)", TRANSFER_COLUMNS,
+        table("KV transfer programs on TPU (jaxkv.disagg.kv_transfer)", TRANSFER_COLUMNS,
               ["v5e", f"{model} S={page_size} auto", name, 8, pool // MiB,
                f"{r.temp_bytes / MiB:.1f}", f"{r.largest_copy() / MiB:.1f}",
                r.alias_bytes // MiB, f"{r.seconds:.1f}"])

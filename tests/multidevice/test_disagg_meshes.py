@@ -10,7 +10,7 @@ from serving import assert_same_up_to_near_ties, drive
 
 import jaxkv
 from jaxkv import LLM, Engine, SamplingParams
-from jaxkv.engine.disagg import DisaggregatedEngine
+from jaxkv.disagg import DisaggregatedEngine
 from jaxkv.sharding import make_mesh
 
 CONFIG = jaxkv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,

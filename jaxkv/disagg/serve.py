@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation across processes: each worker of
-`jaxkv.engine.disagg_remote` in its own process, serving a front end.
+`jaxkv.disagg.remote` in its own process, serving a front end.
 
 A front end talks to both workers over `multiprocessing.connection` (pickled dicts; the
 listener's authkey authenticates both ends):
@@ -22,13 +22,14 @@ from __future__ import annotations
 import time
 from multiprocessing.connection import Client, Connection, Listener, wait
 
-from jaxkv.engine.disagg_remote import HELLO_TIMEOUT_S, DecodeWorker, PrefillWorker, _Side
+from jaxkv.disagg.kv_remote import KVPeer
+from jaxkv.disagg.remote import HELLO_TIMEOUT_S, PrefillWorker, Worker
+from jaxkv.disagg.remote_decode import DecodeWorker
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.request import RequestOutput
-from jaxkv.runtime.kv_remote import KVPeer
 
 
-def _serve(worker: _Side, front: Connection) -> dict:
+def _serve(worker: Worker, front: Connection) -> dict:
     """Runs ``worker`` for the front end at ``front`` until it says "stop" and the worker has
     nothing left in flight; returns (and sends) the worker's report."""
     stopping = False

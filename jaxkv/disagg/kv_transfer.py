@@ -95,6 +95,10 @@ class Payload:
         """True once every array of the payload is on the decode side's devices."""
         return all(x.is_ready() for part, _ in self.parts for x in jax.tree.leaves(part))
 
+    def wait(self) -> None:
+        """Blocks until `ready`."""
+        jax.block_until_ready([part for part, _ in self.parts])
+
 
 class PageMover:
     """Copies pages from a prefill pool to a decode pool (possibly split differently).

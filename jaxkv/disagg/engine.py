@@ -11,14 +11,15 @@ on different devices; `DisaggregatedEngine` does that with two `Engine`s, each o
 2. the decode engine reserves slots and pages for it: whole pages its own prefix cache already
    holds are shared, fresh pages take the rest (it waits, holding nothing, while the decode
    side lacks room);
-3. only those missing pages move (`jaxkv.runtime.kv_transfer`): gathered on the prefill
-   devices, put on the decode devices with the decode pool's kv-head sharding, scattered into
-   the fresh pages; the prefill side lets go of its pages as soon as the gather is queued.
-   With ``stream_pages`` (the default) the pages of a prompt still prefilling in chunks start
-   moving as each chunk fills them (page-run streaming: they wait, outside the pool, on the
-   decode devices), so at the hand-off only the last chunk's pages are left to move. Pages
-   the decode side's prefix cache holds (looked up before each run) are not streamed, nor
-   are those the prefill side's own cache served (they wait for the hand-off's look);
+3. only those missing pages move (`jaxkv.disagg.kv_transfer`, or any `PageTransport`):
+   gathered on the prefill devices, put on the decode devices with the decode pool's kv-head
+   sharding, scattered into the fresh pages; the prefill side lets go of its pages as soon
+   as the gather is queued. With ``stream_pages`` (the default) the pages of a prompt still
+   prefilling in chunks start moving as each chunk fills them (page-run streaming: they
+   wait, outside the pool, on the decode devices), so at the hand-off only the last chunk's
+   pages are left to move. Pages the decode side's prefix cache holds (looked up before each
+   run) are not streamed, nor are those the prefill side's own cache served (they wait for
+   the hand-off's look);
 4. once the pages have arrived the request decodes on the decode engine, which may preempt it
    (it then recomputes there), fork it (n > 1 samples share the pages) and cache its prompt.
 
@@ -34,14 +35,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
-
+from jaxkv.disagg.connector import Arrival, DecodeConnector, Handoff, PrefillConnector
+from jaxkv.disagg.kv_transfer import PageMover
+from jaxkv.disagg.transport import InFlight, PageTransport
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.outputs import RequestEntry, build_output
 from jaxkv.engine.request import EngineStats, RequestOutput, RequestStatus
-from jaxkv.engine.scheduler import Arrival, Handoff
 from jaxkv.runtime.batch import pow2
-from jaxkv.runtime.kv_transfer import PageMover, Payload
 from jaxkv.sampling_params import SamplingParams
 
 POLL_S = 0.0002  # how often `step` looks whether an engine's step in flight has finished
@@ -52,7 +52,7 @@ class _Sent:
     """A run of a prompt's pages sent to the decode devices: their indices in the prompt."""
 
     index: list[int]
-    payload: Payload
+    payload: InFlight
 
 
 @dataclasses.dataclass
@@ -86,12 +86,14 @@ class DisaggregatedEngine:
     from then on (it hands every request off after its first token). ``stream_pages``: send
     a prompt's pages as its prefill chunks fill them (see the module docstring).
     ``lockstep``: each `step` waits for both engines' steps (a reproducible interleaving, for
-    tests; slower: decode steps then wait for prefill chunks).
+    tests; slower: decode steps then wait for prefill chunks). ``transport``: how pages move
+    (`jaxkv.disagg.transport`; default: `PageMover`, device to device); a callable
+    ``(prefill_state, decode_state, sizes) -> PageTransport``.
     ``transfers`` counts what moved; `stats` sums both engines' counters.
     """
 
     def __init__(self, prefill: Engine, decode: Engine, *, stream_pages: bool = True,
-                 lockstep: bool = False):
+                 lockstep: bool = False, transport=PageMover):
         if prefill is decode:
             raise ValueError("DisaggregatedEngine: prefill and decode must be two engines")
         for name in ("page_size", "kv_cache_dtype"):
@@ -108,10 +110,13 @@ class DisaggregatedEngine:
         self.prefill, self.decode, self.model = prefill, decode, decode.model
         self.engines = [prefill, decode]
         self.max_model_len = decode.max_model_len  # the prefill side holds only prompts
-        prefill.scheduler.hand_off_after_prefill = True
+        self.handoffs = PrefillConnector(prefill.scheduler)  # prefill pages held for transfer
+        self.arrivals = DecodeConnector(decode.scheduler)  # decode pages reserved for it
         sizes = sorted({min(pow2(n), pow2(decode.max_pages_per_seq))
                         for n in (1, 4, 16, 64, decode.max_pages_per_seq)})
-        self.mover = PageMover(prefill.state, decode.state, sizes)
+        self.mover: PageTransport = transport(prefill.state, decode.state, sizes)
+        prefill.use_connector(self.handoffs)
+        decode.use_connector(self.arrivals)
         self.stream_pages, self.lockstep = bool(stream_pages), bool(lockstep)
         self._streams: dict[str, list[_Sent]] = {}  # runs sent of prompts still prefilling
         self._where: dict[str, str] = {}  # unfinished request id -> "prefill" | "move" | "decode"
@@ -165,9 +170,9 @@ class DisaggregatedEngine:
     def _abort_transfer(self, t: _Transfer) -> None:
         self._moving.remove(t)
         if t.arrival is None:
-            self.prefill.scheduler.release_handoff(t.handoff)
+            self.handoffs.release(t.handoff)
         else:
-            self.decode.scheduler.cancel_arrival(t.arrival)  # payloads in flight are dropped
+            self.arrivals.cancel(t.arrival)  # payloads in flight are dropped
         now = time.time()
         for s in t.entry.samples:
             if not s.is_done:
@@ -212,7 +217,8 @@ class DisaggregatedEngine:
             for e in self._first_done():
                 outputs += self._collect(e)
         elif self._moving:  # nothing else to do: wait for the oldest copy
-            jax.block_until_ready([x.payload.parts for x in self._moving[0].sent])
+            for x in self._moving[0].sent:
+                x.payload.wait()
         self._start_transfers()
         self._land()
         outputs, self._pending = outputs + self._pending, []  # (aborts applied meanwhile)
@@ -258,7 +264,7 @@ class DisaggregatedEngine:
 
     def _take_handoffs(self) -> None:
         known = {id(t.handoff) for t in self._moving}
-        for h in self.prefill.scheduler.handoffs:
+        for h in self.handoffs.handoffs:
             if id(h) not in known:
                 rid = h.seqs[0].request_id
                 entry = self.prefill.take_request(rid)
@@ -295,9 +301,9 @@ class DisaggregatedEngine:
         recomputes it from its tokens, as after a preemption."""
         self._moving.remove(t)
         if t.arrival is None:
-            self.prefill.scheduler.release_handoff(t.handoff)
+            self.handoffs.release(t.handoff)
         else:  # its pages reserved on the decode side, payloads maybe in flight: dropped
-            self.decode.scheduler.cancel_arrival(t.arrival)
+            self.arrivals.cancel(t.arrival)
         for seq in t.handoff.seqs:
             seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
             self.decode.scheduler.add(seq)
@@ -314,7 +320,7 @@ class DisaggregatedEngine:
         for t in self._moving:
             if t.arrival is not None:
                 continue
-            arrival = self.decode.scheduler.reserve_arrival(t.handoff)
+            arrival = self.arrivals.reserve(t.handoff)
             if arrival is None:
                 break
             self.decode.run_cache_copies()  # host-tier copies the reservation queued run first
@@ -325,7 +331,7 @@ class DisaggregatedEngine:
                 t.sent.append(_Sent(rest, self.mover.send(
                     self.prefill.state, [t.handoff.pages[i] for i in rest])))
             t.arrival = arrival
-            self.prefill.scheduler.release_handoff(t.handoff)  # the gather is queued before
+            self.handoffs.release(t.handoff)  # the gather is queued before
             self.transfers.reused_pages += k                   # any later prefill program
 
     def _land(self) -> None:
@@ -335,10 +341,11 @@ class DisaggregatedEngine:
             k, pages = t.arrival.num_shared, t.arrival.pages
             for x in t.sent:  # (a streamed page the decode side turned out to hold: dropped)
                 dst = [pages[i] if i >= k else None for i in x.index]
-                self.decode.state = self.mover.receive(self.decode.state, x.payload, dst)
+                self.decode.write_kv(lambda state, x=x, dst=dst:
+                                     self.mover.receive(state, x.payload, dst))
                 self.transfers.pages += x.payload.num_pages
                 self.transfers.bytes += x.payload.nbytes
-            self.decode.scheduler.land(t.arrival)
+            self.arrivals.land(t.arrival)
             self.decode.adopt_request(t.request_id, t.entry)
             self._moving.remove(t)
             self._where[t.request_id] = "decode"
@@ -371,7 +378,8 @@ class DisaggregatedEngine:
         n = self.prefill.warmup() + self.decode.warmup()
         for size in self.mover.sizes:  # out-of-range ids: reads zeros, writes nothing
             payload = self.mover.send(self.prefill.state, [self.prefill.num_pages] * size)
-            self.decode.state = self.mover.receive(self.decode.state, payload, [None] * size)
+            self.decode.write_kv(lambda state, p=payload, n=size:
+                                 self.mover.receive(state, p, [None] * n))
             n += 2
         return n
 
@@ -381,9 +389,9 @@ class DisaggregatedEngine:
         self.prefill.check()
         self.decode.check()
         held = [t.handoff for t in self._moving if t.arrival is None]
-        assert held == self.prefill.scheduler.handoffs, "prefill hand-offs out of step"
+        assert held == self.handoffs.handoffs, "prefill hand-offs out of step"
         arrived = [t.arrival for t in self._moving if t.arrival is not None]
-        assert arrived == self.decode.scheduler.arrivals, "decode arrivals out of step"
+        assert arrived == self.arrivals.arrivals, "decode arrivals out of step"
 
     def stats(self) -> EngineStats:
         """Both engines' counters summed (steps: the most either ran), with the transfer's."""

@@ -1,15 +1,16 @@
 """Prefill/decode disaggregation across processes: a prefill `Engine` in one, a decode
-`Engine` in another, the KV pages moving between them over `jaxkv.runtime.kv_remote.KVPeer`.
+`Engine` in another, the KV pages moving between them over `jaxkv.disagg.kv_remote.KVPeer`.
 
-The single-process `DisaggregatedEngine` (`jaxkv.engine.disagg`) split in two: the same
-scheduler hand-off (`Scheduler.handoffs`, `reserve_arrival`, `land`, `cancel_arrival`,
-`release_handoff`) and the same page payloads (`kv_transfer.export_pages` / `import_pages`),
+The single-process `DisaggregatedEngine` (`jaxkv.disagg.engine`) split in two: the same
+scheduler connectors (`jaxkv.disagg.connector`: `PrefillConnector` holds hand-offs,
+`DecodeConnector` reserves, lands and cancels arrivals) and the same page payloads
+(`kv_transfer.export_pages` / `import_pages`),
 coordinated by pickled dicts over a `multiprocessing.connection` channel ("link"):
 
     prefill -> decode  {"op": "hello", ...pool and limits}          once, each way
     prefill -> decode  {"op": "handoff", "request_id", "prompt", "prompt_token_ids",
                         "sampling_params", "cache_salt", "arrival_index", "arrival_time",
-                        "num_tokens", "samples": [per-sample state, `_CARRIED`]}
+                        "num_tokens", "samples": [per-sample state, `CARRIED`]}
     decode -> prefill  {"op": "reserve", "request_id", "first"}     pages first.. are missing
     prefill -> decode  {"op": "offer", "request_id", "uuid"}        offered under uuid, uuid+1..
     decode -> prefill  {"op": "landed", "request_id"}               pulled: prefill frees pages
@@ -54,14 +55,15 @@ the worker keeps serving.
 
 Outputs: each worker returns `RequestOutput`s for what it holds: the first token comes from
 the prefill side, the rest (and every abort after the hand-off) from the decode side.
-`jaxkv.engine.disagg_serve` runs each worker in its own process for a front end.
+This module holds the protocol, what both workers share and the `PrefillWorker`;
+`jaxkv.disagg.remote_decode` holds the `DecodeWorker`.
+`jaxkv.disagg.serve` runs each worker in its own process for a front end.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -69,26 +71,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.disagg.connector import Handoff, PrefillConnector
+from jaxkv.disagg.kv_remote import KVPeer
+from jaxkv.disagg.kv_transfer import export_pages, head_maps
 from jaxkv.engine.detokenizer import IncrementalDetokenizer
 from jaxkv.engine.engine import Engine
-from jaxkv.engine.outputs import RequestEntry, build_output
-from jaxkv.engine.request import Request, RequestOutput, RequestStatus
-from jaxkv.engine.scheduler import Arrival, Handoff
+from jaxkv.engine.request import RequestOutput
 from jaxkv.runtime.batch import pow2
-from jaxkv.runtime.kv_remote import KVPeer, Pull, wire_shards
-from jaxkv.runtime.kv_transfer import export_pages, head_maps, import_pages, payload_shardings
 from jaxkv.runtime.page_copy import padded_parts
 from jaxkv.sampling_params import SamplingParams
 
 # Per-sample state that travels with a hand-off (the rest is rebuilt or belongs to one side).
-_CARRIED = ("sample_index", "key", "first_token_time", "finish_reason", "finish_time",
+CARRIED = ("sample_index", "key", "first_token_time", "finish_reason", "finish_time",
             "num_cached_tokens", "logprobs", "emitted", "bad_words_ids", "prompt_logprobs",
             "prompt_logprobs_sent", "kv_version", "token_versions", "num_preemptions")
 HELLO_TIMEOUT_S = 120.0
 _log = logging.getLogger(__name__)
 
 
-def _hello(engine: Engine, role: str, peer: KVPeer) -> dict:
+def hello_message(engine: Engine, role: str, peer: KVPeer) -> dict:
     sizes = sorted({min(pow2(n), pow2(engine.max_pages_per_seq))
                     for n in (1, 4, 16, 64, engine.max_pages_per_seq)})
     return dict(op="hello", role=role, kv_address=peer.address, page_size=engine.page_size,
@@ -97,21 +98,21 @@ def _hello(engine: Engine, role: str, peer: KVPeer) -> dict:
                 num_pages=engine.num_pages, max_num_seqs=engine.max_num_seqs, sizes=sizes)
 
 
-def _page_bytes(state, heads: int) -> int:
+def page_bytes(state, heads: int) -> int:
     """Bytes of one page of a payload with ``heads`` kv heads (scale words included)."""
     per_token = 2 * state.head_dim * state.kv_pages.dtype.itemsize \
         + (0 if state.kv_scales is None else 4)
     return state.num_layers * heads * state.page_size * per_token
 
 
-def _detokenizer(tok, ids, sp) -> IncrementalDetokenizer | None:
+def detokenizer(tok, ids, sp) -> IncrementalDetokenizer | None:
     """A sample's detokenizer, made as `Engine.add_request` makes it."""
     return None if tok is None else IncrementalDetokenizer(
         tok, ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
         include_stop_str_in_output=sp.include_stop_str_in_output)
 
 
-class _Side:
+class Worker:
     """What both workers share: the engine, the transfer peer, the link and its hello."""
 
     role = ""
@@ -120,7 +121,7 @@ class _Side:
         if engine.has_unfinished_requests():
             raise ValueError(f"{type(self).__name__}: the engine must be idle")
         self.engine, self.peer, self.channel = engine, peer, channel
-        self.hello = _hello(engine, self.role, peer)
+        self.hello = hello_message(engine, self.role, peer)
         self.other: dict | None = None  # the other side's hello, once read
         self.link_open = True  # False once the other side closed the link (it stopped)
         self.counters = dict(requests=0, pages=0, bytes=0, reused_pages=0, aborted=0,
@@ -174,14 +175,15 @@ class _Side:
                     local_reshards=self.peer.local_reshards)
 
 
-class PrefillWorker(_Side):
+class PrefillWorker(Worker):
     """Runs prompts and hands requests off to a `DecodeWorker` at the other end of ``channel``."""
 
     role = "prefill"
 
     def __init__(self, engine: Engine, peer: KVPeer, channel: Connection):
         super().__init__(engine, peer, channel)
-        engine.scheduler.hand_off_after_prefill = True
+        self.connector = PrefillConnector(engine.scheduler)
+        engine.use_connector(self.connector)
         self._held: dict[str, Handoff] = {}  # handed off, pages held until "landed" or abort
         self._offered: set[str] = set()  # held hand-offs whose pages were offered (exported)
         self._handed: set[str] = set()  # ids handed off, until the decode side's "finished"
@@ -226,7 +228,7 @@ class PrefillWorker(_Side):
         if h is None:
             return False
         self._offered.discard(rid)
-        self.engine.scheduler.release_handoff(h)
+        self.connector.release(h)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -243,7 +245,7 @@ class PrefillWorker(_Side):
         if self.engine.state_resets != resets:  # a failed step lost the pool: the held pages
             self._recompute_on_decode()         # not exported yet hold zeros
         known = {id(h) for h in self._held.values()}
-        for h in self.engine.scheduler.handoffs:
+        for h in self.connector.handoffs:
             if id(h) not in known:
                 self._send_handoff(h)
         return outputs
@@ -288,7 +290,7 @@ class PrefillWorker(_Side):
         rid = h.seqs[0].request_id
         entry = self.engine.take_request(rid)
         first = entry.samples[0]
-        samples = [dict({k: getattr(s, k) for k in _CARRIED}, status=s.status.value,
+        samples = [dict({k: getattr(s, k) for k in CARRIED}, status=s.status.value,
                         output_token_ids=s.output_token_ids) for s in entry.samples]
         self._held[rid] = h
         self._handed.add(rid)
@@ -316,7 +318,7 @@ class PrefillWorker(_Side):
             self.peer.offer(self._next_uuid, payload, shards=shards)  # held until pulled
             self._next_uuid += 1
         self.counters["pages"] += n - first
-        self.counters["bytes"] += (n - first) * _page_bytes(state, min(state.num_kv_heads,
+        self.counters["bytes"] += (n - first) * page_bytes(state, min(state.num_kv_heads,
                                                                         d["kv_heads"]))
         self._offered.add(rid)
         self.channel.send(dict(op="offer", request_id=rid, uuid=uuid))
@@ -329,231 +331,5 @@ class PrefillWorker(_Side):
         """The engine's invariants, and that its hand-offs are exactly the ones held here."""
         self.engine.check()
         assert {id(h) for h in self._held.values()} == \
-            {id(h) for h in self.engine.scheduler.handoffs}, "hand-offs out of step"
+            {id(h) for h in self.connector.handoffs}, "hand-offs out of step"
         assert self._offered <= set(self._held) <= self._handed, "hand-off books out of step"
-
-
-@dataclasses.dataclass
-class _Incoming:
-    """A request handed off to the decode side, until it lands or is aborted."""
-
-    request_id: str
-    entry: RequestEntry
-    handoff: Handoff  # its streams and token count (no pages on this side)
-    arrival: Arrival | None = None
-    pulls: list[tuple[Pull, np.ndarray]] | None = None  # started pulls and their pages
-
-
-class DecodeWorker(_Side):
-    """Takes hand-offs from a `PrefillWorker` at the other end of ``channel`` and decodes."""
-
-    role = "decode"
-
-    def __init__(self, engine: Engine, peer: KVPeer, channel: Connection):
-        super().__init__(engine, peer, channel)
-        self._incoming: dict[str, _Incoming] = {}  # in arrival order
-        self._known: set[str] = set()  # ids handed here, until "finished" is sent for them
-        self._draining: list[Pull] = []  # pulls of aborted requests, dropped once here
-        self._pending: list[RequestOutput] = []
-
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self._incoming or self._draining)
-
-    def step(self) -> list[RequestOutput]:
-        """Handles the prefill side's messages, reserves room for waiting hand-offs, lands
-        the ones whose pages arrived, then runs one engine step."""
-        for msg in self._messages():
-            try:
-                self._handle(msg)
-            except Exception as e:  # noqa: BLE001 - fail this request, keep serving the rest
-                self._fail(msg.get("request_id"), f"{type(e).__name__}: {e}", e)
-        self._reserve()
-        self._land()
-        self._draining = [p for p in self._draining if not self._drained(p)]
-        outputs, self._pending = self._pending, []  # aborts, this step's included
-        resets = self.engine.state_resets
-        outputs += self._step_engine()
-        if self.engine.state_resets != resets:  # a failed step lost this pool: reservations
-            for rid in [r for r, t in self._incoming.items() if t.arrival is not None]:
-                self._recompute(rid)  # share pages of it, so they recompute here
-            self.engine.radix.clear()  # entries those pages kept through the clear
-        for rid in [r for r in self._known
-                    if r not in self._incoming and not self.engine.has_request(r)]:
-            self._known.discard(rid)  # ended here (normally, aborted or failed)
-            if self.link_open:
-                self.channel.send(dict(op="finished", request_id=rid))
-        return outputs
-
-    def _handle(self, msg: dict) -> None:
-        op, rid = msg.get("op"), msg.get("request_id")
-        if op == "handoff":
-            if rid in self._known:  # the prefill side never reuses an unfinished id
-                _log.error("DecodeWorker: a second hand-off of unfinished request %r "
-                           "(ignored)", rid)
-                return
-            self._incoming[rid] = self._rebuild(msg)
-            self._known.add(rid)
-        elif op == "offer":
-            self._pull(rid, msg["uuid"])
-        elif op == "abort":
-            if msg.get("error") is not None and rid in self._incoming:
-                self._fail(rid, msg["error"])
-            else:
-                self.abort(rid)
-        elif op == "recompute":
-            self._recompute(rid)
-        else:
-            raise ValueError(f"DecodeWorker: unexpected message {msg!r}")
-
-    def abort(self, request_id: str) -> None:
-        """Aborts it wherever it is here (waiting for room, pulling, decoding); unknown ids
-        (finished already) are ignored."""
-        t = self._incoming.pop(request_id, None)
-        if t is None:
-            if self.engine.has_request(request_id):
-                self.engine.abort(request_id)
-            return
-        self._end(t, "abort")
-        self.counters["aborted"] += 1
-
-    def _fail(self, rid, error: str, exc: Exception | None = None) -> None:
-        """Logs a message it could not act on and fails its request, if it is in transfer
-        here (finish_reason "error", ``error`` in its output)."""
-        _log.error("DecodeWorker: request %r failed: %s", rid, error, exc_info=exc)
-        t = self._incoming.pop(rid, None) if isinstance(rid, str) else None
-        if t is not None:
-            t.entry.error = error
-            self._end(t, "error")
-            self.counters["failed"] += 1
-
-    def _end(self, t: _Incoming, reason: str) -> None:
-        """Ends a request in transfer: its reservation freed, its pulls drained."""
-        if t.arrival is not None:
-            self.engine.scheduler.cancel_arrival(t.arrival)
-        self._draining += [p for p, _ in t.pulls or ()]
-        now = time.time()
-        for s in t.entry.samples:
-            if not s.is_done:
-                self.engine.scheduler.finish(s, reason, now)
-        self._pending.append(build_output(t.request_id, t.entry))
-
-    @staticmethod
-    def _drained(pull: Pull) -> bool:
-        try:
-            return pull.poll()
-        except Exception as e:  # noqa: BLE001 - its payload was to be dropped anyway
-            _log.warning("DecodeWorker: a drained pull failed: %s: %s", type(e).__name__, e)
-            return True
-
-    def _recompute(self, rid: str) -> None:
-        """The prefill side lost the request's KV before offering it: its samples wait on
-        this engine, which recomputes them from their tokens (as after a preemption)."""
-        t = self._incoming.pop(rid, None)
-        if t is None:  # landed already (its pages were all cached here), or aborted
-            return
-        if t.arrival is not None:
-            self.engine.scheduler.cancel_arrival(t.arrival)
-        self._draining += [p for p, _ in t.pulls or ()]
-        for seq in t.handoff.seqs:
-            seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
-            self.engine.scheduler.add(seq)
-        self.engine.adopt_request(rid, t.entry)
-        self.counters["recomputed"] += 1
-
-    def _rebuild(self, msg: dict) -> _Incoming:
-        tok, eos = self.engine.model.tokenizer, self.engine.scheduler.eos_token_ids
-        sp, ids = msg["sampling_params"], msg["prompt_token_ids"]
-        samples = []
-        for d in msg["samples"]:
-            s = Request(msg["request_id"], ids, sp, msg["arrival_index"], msg["arrival_time"],
-                        cache_salt=msg["cache_salt"], detok=_detokenizer(tok, ids, sp))
-            for token in d["output_token_ids"]:  # replayed: the detokenizer's state too
-                s.append_token(token, eos)
-            for k in _CARRIED:
-                setattr(s, k, d[k])
-            s.status = RequestStatus(d["status"])
-            samples.append(s)
-        going = [s for s in samples if s.status is RequestStatus.TRANSFERRING]
-        return _Incoming(msg["request_id"], RequestEntry(msg["prompt"], samples),
-                         Handoff(going, [], msg["num_tokens"]))
-
-    def _reserve(self) -> None:
-        """Reserves room for waiting hand-offs in arrival order, stopping at the first that
-        does not fit (it retries next step)."""
-        if self.engine.scheduler.waiting:  # its own waiting requests (preempted, recomputing)
-            return                         # first: steady hand-offs would starve them
-        for t in self._incoming.values():
-            if t.arrival is not None:
-                continue
-            arrival = self.engine.scheduler.reserve_arrival(t.handoff)
-            if arrival is None:
-                break
-            self.engine.run_cache_copies()  # host-tier copies the reservation queued run first
-            t.arrival = arrival
-            self.channel.send(dict(op="reserve", request_id=t.request_id,
-                                   first=arrival.num_shared, shards=self._wire()[2]))
-            self.counters["reused_pages"] += arrival.num_shared
-            if arrival.num_shared * self.engine.page_size >= arrival.num_tokens:
-                t.pulls = []  # every page was in the prefix cache: lands at once
-
-    def _wire(self):
-        """(payload kv heads, shardings, kv-head blocks an offer should travel in)."""
-        state = self.engine.state
-        heads = min(self._other()["kv_heads"], state.num_kv_heads)
-        shardings = payload_shardings(state, heads)
-        shape = (1, state.num_layers, heads, state.page_size, 2 * state.head_dim)
-        return heads, shardings, wire_shards(shardings[0], shape)
-
-    def _pull(self, rid: str, uuid: int) -> None:
-        """Starts pulling a request's parts (offered under uuid, uuid + 1, ...)."""
-        t, state = self._incoming.get(rid), self.engine.state
-        if t is None:  # the prefill side forwards an abort after its offer, never before
-            raise ValueError(f"DecodeWorker: an offer for unknown request {rid!r}")
-        if t.arrival is None or t.pulls is not None:
-            raise ValueError(f"DecodeWorker: an offer for request {rid!r}, which has "
-                             f"{'no reservation' if t.arrival is None else 'its pulls'}")
-        heads, shardings, _ = self._wire()
-        k, n = t.arrival.num_shared, -(-t.arrival.num_tokens // state.page_size)
-        t.pulls = []
-        for i, (part, size) in enumerate(padded_parts(t.arrival.pages[k:n],
-                                                      self.hello["sizes"])):
-            shape = (size, state.num_layers, heads, state.page_size, 2 * state.head_dim)
-            shapes = (jax.ShapeDtypeStruct(shape, state.kv_pages.dtype),
-                      None if state.kv_scales is None else
-                      jax.ShapeDtypeStruct(shape[:4], jnp.int32))
-            dst = np.full(size, state.num_pages, np.int32)  # out of range: dropped
-            dst[:len(part)] = part
-            t.pulls.append((self.peer.start_pull(self._other()["kv_address"], uuid + i,
-                                                 shapes, shardings), dst))
-            self.counters["pages"] += len(part)
-            self.counters["bytes"] += len(part) * _page_bytes(state, heads)
-
-    def _land(self) -> None:
-        for t in list(self._incoming.values()):
-            try:
-                if t.pulls is None or not all(p.poll() for p, _ in t.pulls):
-                    continue
-                _, spread = head_maps(self._other()["kv_heads"],
-                                      self.engine.state.num_kv_heads)
-                spread = None if spread is None else jnp.asarray(spread)
-                for p, dst in t.pulls:
-                    values, scales = p.result()
-                    self.engine.state = import_pages(self.engine.state, dst, values, scales,
-                                                     spread)
-            except Exception as e:  # noqa: BLE001 - a failed pull fails its request only
-                self._fail(t.request_id, f"{type(e).__name__}: {e}", e)
-                continue
-            self.engine.scheduler.land(t.arrival)
-            self.engine.adopt_request(t.request_id, t.entry)
-            del self._incoming[t.request_id]
-            if t.pulls:
-                self.channel.send(dict(op="landed", request_id=t.request_id))
-            self.counters["requests"] += 1
-
-    def check(self) -> None:
-        """The engine's invariants, and that its arrivals are exactly the reserved hand-offs."""
-        self.engine.check()
-        assert [t.arrival for t in self._incoming.values() if t.arrival is not None] == \
-            self.engine.scheduler.arrivals, "decode arrivals out of step"
-        assert set(self._incoming) <= self._known, "hand-off books out of step"
-
