@@ -136,9 +136,9 @@ class DisaggConfig:
     decode_devices: tuple | None = dataclasses.field(default=None, metadata={"cli": "devices"})
     """Devices of the decode engine (on the CLI: indices, e.g. 2,3)."""
     prefill_tensor_parallel_size: int | None = None
-    """Tensor-parallel size of the prefill engine (default: tensor_parallel_size)."""
+    """Tensor-parallel size of the prefill engine (default: the number of prefill_devices)."""
     decode_tensor_parallel_size: int | None = None
-    """Tensor-parallel size of the decode engine (default: tensor_parallel_size)."""
+    """Tensor-parallel size of the decode engine (default: the number of decode_devices)."""
 
     def __post_init__(self):
         for field in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):

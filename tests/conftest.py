@@ -40,6 +40,16 @@ def tiny_model(tiny_config):
     return jaxkv.Model.from_module(module)
 
 
+@pytest.fixture(scope="session")
+def plain_model(tiny_config):
+    """The same random model as initialised, without sharpening: its greedy tokens depend on
+    the whole context, so KV that is wrong (stale, unfilled, another tenant's) shows in them."""
+
+    import jaxkv
+
+    return jaxkv.random_model(tiny_config, seed=0)
+
+
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as f:

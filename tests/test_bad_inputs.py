@@ -167,6 +167,10 @@ BAD = [
     pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
         min_tokens=2, stop_token_ids=list(range(4, 24)))), ValueError,
         r"SamplingParams.stop_token_ids=.*at most 16 stop ids", id="min_tokens, 20 stop ids"),
+    pytest.param(_add(prompt_token_ids=GOOD, sampling_params=SamplingParams(
+        allowed_token_ids=[3, 9], stop_token_ids=[9], min_tokens=2)), ValueError,
+        r"allowed_token_ids=\(3, 9\): every allowed token is a stop token, which cannot "
+        r"be sampled until min_tokens=2 are out", id="only stop ids allowed, min_tokens"),
     # --- Engine.abort -----------------------------------------------------------------------
     pytest.param(lambda ctx: ctx.engine.abort("nope"), ValueError,
                  "no unfinished request with request_id 'nope'", id="abort unknown id"),

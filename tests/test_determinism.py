@@ -29,12 +29,6 @@ SAMPLED = SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=20, seed=7, max_
 
 
 @pytest.fixture(scope="module")
-def plain_model(tiny_config):
-    """Random weights at their initialization scale (no sharpened logits)."""
-    return jaxkv.random_model(tiny_config, seed=0)
-
-
-@pytest.fixture(scope="module")
 def alone(plain_model):
     """Each greedy probe served by itself, with its top-2 logprobs (for the near-tie rule),
     and the sampled probe through `jaxkv.generate`."""

@@ -26,12 +26,6 @@ DECODE = dict(SHAPE, num_pages=14)  # small: decode-side preemption and waiting 
 COLOCATED = dict(SHAPE, num_pages=32)
 
 
-@pytest.fixture(scope="module")
-def plain_model(tiny_config):
-    """Random weights at their initialization scale."""
-    return jaxkv.random_model(tiny_config, seed=0)
-
-
 def disaggregated(model, lockstep=False, transport=kv_transfer.PageMover, **kw):
     """The engines step independently unless ``lockstep`` (a reproducible interleaving, for
     tests that need one stage to be reached before another)."""
@@ -291,8 +285,9 @@ def test_llm_disaggregation_arguments_are_checked():
         jaxkv.LLM(None, prefill_devices=one)
     with pytest.raises(ValueError, match="overlap"):
         jaxkv.LLM(None, prefill_devices=one, decode_devices=one)
-    with pytest.raises(ValueError, match="prefill_devices lists 1"):
-        jaxkv.LLM(None, prefill_devices=one, decode_devices=one, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="prefill_devices lists 1 devices for "
+                       "prefill_tensor_parallel_size=2"):
+        jaxkv.LLM(None, prefill_devices=one, decode_devices=one, prefill_tensor_parallel_size=2)
     with pytest.raises(ValueError, match="data_parallel_size"):
         jaxkv.LLM(None, prefill_devices=one, decode_devices=one, data_parallel_size=2)
 
@@ -514,3 +509,37 @@ def test_a_failed_decode_step_that_loses_the_pool_recomputes_reserved_arrivals(
     assert_same_up_to_near_ties(done["a"].outputs[0].token_ids,
                                 reference(plain_model, tuple(prompt), 5, 1)[0])
     assert engine.decode.stats().kv_pages_used == 0
+
+
+def test_an_abort_deferred_by_a_step_in_flight_spares_a_new_request_with_the_same_id(
+        plain_model):
+    engine = disaggregated(plain_model)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("x", prompt_token_ids=list(range(4, 12)), sampling_params=greedy)
+    while engine.location("x") != "decode":
+        engine.step()
+    gate, dispatch = {"open": False}, engine.decode.dispatch
+
+    def slow():  # the decode engine's steps look unfinished while the gate is shut
+        d = dispatch()
+        return d if d.read is None else dataclasses.replace(d, read=_Gated(d.read, gate))
+
+    engine.decode.dispatch = slow
+    engine.add_request("busy", prompt_token_ids=list(range(20, 50)),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=2))
+    engine.step()
+    assert engine.has_step_in_flight(engine.decode)
+    engine.abort("x")  # deferred: the decode engine's step holding "x" is in flight
+    new = list(range(60, 70))
+    engine.add_request("x", prompt_token_ids=new, sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True))
+    gate["open"] = True
+    ends = []
+    while engine.has_unfinished_requests():
+        ends += [o for o in engine.step() if o.finished and o.request_id == "x"]
+        engine.check()
+    reasons = [o.outputs[0].finish_reason for o in ends]
+    assert reasons == ["abort", "length"]  # the old one aborted, the new one served whole
+    (tokens, _), = greedy_reference(plain_model, new, 5, **COLOCATED)
+    assert ends[1].outputs[0].token_ids == tokens
+    assert engine.prefill.stats().kv_pages_used == engine.decode.stats().kv_pages_used == 0

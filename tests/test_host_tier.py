@@ -97,3 +97,53 @@ def test_after_warmup_the_host_tier_compiles_nothing(tiny_model, tiny_config):
 def test_bad_host_sizes_are_named(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Engine(tiny_model, page_size=4, num_pages=8, **kwargs)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _turns_retrying(engine, turns=3, convs=6):
+    """`_conversations`, with a turn that ended in an error sent again (same prompt, new id)."""
+    rng = np.random.default_rng(0)
+    history = {c: rng.integers(4, 96, 20).tolist() for c in range(convs)}
+    outs, errors = {}, 0
+    for turn in range(turns):
+        for c in range(convs):
+            prompt = history[c] + rng.integers(4, 96, 3).tolist()
+            for attempt in range(3):
+                engine.add_request(f"{c}-{turn}-{attempt}", prompt_token_ids=prompt,
+                                   sampling_params=GREEDY)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            final = out
+                    engine.check()
+                if final.error is None:
+                    break
+                errors += 1
+            outs[f"{c}-{turn}"] = final.outputs[0].token_ids
+            history[c] = prompt + outs[f"{c}-{turn}"]
+    return outs, errors
+
+
+def test_a_failed_host_copy_leaves_no_entry_on_unfilled_pages(plain_model):
+    """A run of queued copies that fails before its load ran (a save raised) must not leave
+    the promoted entries in the cache: their pages were never filled."""
+    on = Engine(plain_model, host_kv_cache_bytes=2**20, **SHAPE)
+    pool, failed = on.runner.host_pool, []
+    real_run = pool.run
+
+    def run(state, transfers):
+        kinds = [t[0] for t in transfers]
+        if not failed and "save" in kinds and "load" in kinds[kinds.index("save"):]:
+            failed.append(kinds)
+            raise InjectedFault("injected: a page gather ran out of memory")
+        return real_run(state, transfers)
+
+    pool.run = run
+    got, errors = _turns_retrying(on)
+    want, _ = _turns_retrying(Engine(plain_model, **SHAPE))
+    assert failed and errors == 1  # the failing turn, then its retry went through
+    assert got == want
+    assert on.stats().kv_pages_used == 0

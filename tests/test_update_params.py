@@ -187,6 +187,8 @@ def test_bad_updates_are_named_and_change_nothing(models):
         (dict(params=new, in_flight=None), "in_flight must be one of"),
         (dict(params=new, version=1.5), "version must be None, an int or a str, got 1.5"),
         (dict(params=new, version=True), "version must be None, an int or a str"),
+        # The version served now: its cached KV would be reused under the new weights.
+        (dict(params=new, version=0), "version=0 is the current one"),
     ]
     assert "wq" in path
     for kwargs, match in bad:
@@ -204,6 +206,8 @@ def test_bad_updates_are_named_and_change_nothing(models):
     engine.update_params(new.params, version=5)  # a params pytree, as a trainer holds it
     engine.update_params(old)
     assert engine.weight_version == 6
+    with pytest.raises(ValueError, match="version=5 is one served before"):  # 5's KV may be cached
+        engine.update_params(new, version=5)
     engine.update_params(new, version="rl-7")
     with pytest.raises(ValueError, match="version: the current weight version 'rl-7' is not"):
         engine.update_params(old)

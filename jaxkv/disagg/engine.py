@@ -123,7 +123,7 @@ class DisaggregatedEngine:
         self._moving: list[_Transfer] = []  # handed off, in arrival order
         self._pending: list[RequestOutput] = []  # outputs the next step returns
         self._flight: dict[Engine, tuple] = {}  # each engine's dispatched, uncollected step
-        self._aborts: list[str] = []  # aborts waiting for their engine's step to be collected
+        self._aborts: list[tuple] = []  # (id, entry) waiting for their engine's step's collection
         self.transfers = TransferStats()
 
     # ---- requests ------------------------------------------------------------------------
@@ -151,21 +151,28 @@ class DisaggregatedEngine:
         where = self._where.pop(request_id, None) if isinstance(request_id, str) else None
         if where is None:
             raise ValueError(f"abort: no unfinished request with request_id {request_id!r}")
-        self._aborts.append(request_id)
+        entry = next((e.get_request(request_id) for e in self.engines
+                      if e.has_request(request_id)), None)
+        if entry is None:
+            entry = next(t.entry for t in self._moving if t.request_id == request_id)
+        self._aborts.append((request_id, entry))
         self._apply_aborts()
 
     def _apply_aborts(self) -> None:
-        for rid in list(self._aborts):
-            engine = next((e for e in self.engines if e.has_request(rid)), None)
+        # By identity: the id is free once `abort` returns, and a new request may take it
+        # while the aborted one waits for its engine's step to be collected.
+        for pending in list(self._aborts):
+            rid, entry = pending
+            engine = next((e for e in self.engines if e.get_request(rid) is entry), None)
             if engine is not None:
                 if engine in self._flight:
                     continue  # after its step is collected
                 engine.abort(rid)
             else:
-                t = next((t for t in self._moving if t.request_id == rid), None)
+                t = next((t for t in self._moving if t.entry is entry), None)
                 if t is not None:
                     self._abort_transfer(t)
-            self._aborts.remove(rid)  # (or it finished meanwhile: nothing left to free)
+            self._aborts.remove(pending)  # (or it finished meanwhile: nothing left to free)
 
     def _abort_transfer(self, t: _Transfer) -> None:
         self._moving.remove(t)

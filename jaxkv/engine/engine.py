@@ -117,6 +117,8 @@ class Engine:
         self._num_added = self._prompt_tokens = 0
         self._inflight: LoopRun | None = None  # a loop dispatched ahead, its tokens unread
         self.state_resets = 0  # KV states rebuilt after a failed step lost one
+        self._cache_unfilled = False  # a failed run of host copies skipped a load
+        self._served_versions = {self.scheduler.weight_version}
 
     # The device side, for callers that drive programs themselves (tests, benchmarks).
     model = property(lambda self: self.runner.model)
@@ -305,9 +307,19 @@ class Engine:
         return outputs
 
     def run_cache_copies(self) -> None:
-        """Runs the copies the host tier queued (before anything reads or reuses the pages)."""
-        if self.runner.host_pool is not None:
-            self.runner.run_host_copies(self.radix.take_transfers())
+        """Runs the copies the host tier queued (before anything reads or reuses the pages).
+
+        A run of copies is not atomic: if one raises, the loads after it never filled the
+        pages that their promoted entries already point at, so the failure handling
+        (`_fail`) drops the device tier's entries too."""
+        if self.runner.host_pool is None:
+            return
+        moves = self.radix.take_transfers()
+        try:
+            self.runner.run_host_copies(moves)
+        except Exception:
+            self._cache_unfilled = any(m[0] == "load" for m in moves)
+            raise
 
     def write_kv(self, update) -> None:
         """Replaces the KV state by ``update(state)`` (the state is donated): how pages copied
@@ -345,8 +357,9 @@ class Engine:
         (`CompletionOutput.weight_versions`; a decode loop dispatched before the update
         sampled with the old weights), and prefix-cache entries are keyed by the version
         their KV was computed with, so no request reuses KV of other weights (in either
-        tier; old entries age out by LRU). A version names one set of weights: passing an
-        earlier version again with other weights would let stale entries hit.
+        tier; old entries age out by LRU). A version names one set of weights, so the
+        current one or any served before is refused (a trainer's step counter starting at
+        0 would otherwise serve new weights with the initial weights' cached KV).
 
         ``in_flight="restart"``: running requests keep the tokens already returned and
         recompute their KV (prompt + those tokens) with the new weights, as after a
@@ -357,7 +370,7 @@ class Engine:
         path), ``version`` or ``in_flight``, changing nothing.
         """
         weights.check_in_flight(in_flight)
-        version = weights.next_version(self.weight_version, version)
+        version = weights.next_version(self.weight_version, version, self.served_versions)
         params = weights.source_params(params, self._source_config, self._param_specs)
         placed = place_params(params, self.model.params, self._source_config)
         if in_flight == "restart":
@@ -365,6 +378,12 @@ class Engine:
             self.scheduler.preempt_all()  # nothing cached: that KV is of the old weights
         self.runner.set_params(placed)
         self.scheduler.weight_version = version
+        self._served_versions.add(version)
+
+    @property
+    def served_versions(self) -> frozenset:
+        """Every weight version this engine has served (none may be reused)."""
+        return frozenset(self._served_versions)
 
     def programs(self) -> list[tuple[str, int]]:
         """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
@@ -405,6 +424,9 @@ class Engine:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.runner.state = self.runner.new_state()
             self.state_resets += 1  # (a DisaggregatedEngine's hand-offs lost their KV too)
+        elif self._cache_unfilled:  # promoted entries whose load never ran: only the failed
+            self.radix.clear()      # requests held them, so every such entry goes
+        self._cache_unfilled = False
         if self.runner.host_pool is not None:  # a failed step may have skipped or lost a copy
             self.radix.drop_host_tier()
             self.radix.take_transfers()

@@ -89,8 +89,16 @@ def check_fits(request_id: str, prompt_len: int, sp: SamplingParams, model: Mode
                              "model with a tokenizer (stop_token_ids, logit_bias and "
                              "allowed_token_ids take token ids)")
     check_bannable(sp, model.config.eos_token_ids)
-    if sp.bad_words:
-        sp.bad_words_ids(tok, vocab)
+    words = sp.bad_words_ids(tok, vocab) if sp.bad_words else []
+    if sp.allowed_token_ids is not None:
+        # A row whose every allowed token is masked has nothing to sample: refuse it here.
+        masked = {w[0] for w in words if len(w) == 1}  # banned at every step
+        early = set(sp.stop_ids(model.config.eos_token_ids)) if sp.min_tokens else set()
+        if set(sp.allowed_token_ids) <= masked | early:
+            why = "banned by bad_words" if set(sp.allowed_token_ids) <= masked else \
+                f"a stop token, which cannot be sampled until min_tokens={sp.min_tokens} are out"
+            raise ValueError(f"SamplingParams.allowed_token_ids={sp.allowed_token_ids!r}: "
+                             f"every allowed token is {why}, so no token could be sampled")
 
 
 def new_samples(request_id: str, ids: list[int], sp: SamplingParams, *, index: int,

@@ -61,10 +61,10 @@ class LLM:
     ``prefill_devices`` and ``decode_devices`` (disjoint lists of devices) disaggregate
     prefill from decode (`jaxkv.disagg`): prompts run on an engine on the first,
     decoding continues on an engine on the second, the KV pages the decode side lacks copied
-    over in between. Each side is tensor parallel over all its devices: their count must equal
-    ``prefill_tensor_parallel_size`` / ``decode_tensor_parallel_size``, which default to
-    ``tensor_parallel_size``. Each side sizes its own pool as above (``kv_pool`` is the decode
-    side's, ``prefill_kv_pool`` the prefill side's).
+    over in between. Each side is tensor parallel over all its devices:
+    ``prefill_tensor_parallel_size`` / ``decode_tensor_parallel_size`` default to their
+    counts (``tensor_parallel_size`` does not apply to them). Each side sizes its own pool
+    as above (``kv_pool`` is the decode side's, ``prefill_kv_pool`` the prefill side's).
     """
 
     def __init__(self, model: Model | str | Path | None = None,
@@ -75,8 +75,8 @@ class LLM:
         cfg = EngineConfig.from_kwargs(config, **settings)
         par, dis = cfg.parallel, cfg.disagg
         tp, dp = par.tensor_parallel_size, par.data_parallel_size
-        sides = _disaggregated_sides(dis, dp, [dis.prefill_tensor_parallel_size or tp,
-                                               dis.decode_tensor_parallel_size or tp])
+        sides = _disaggregated_sides(dis, dp, [dis.prefill_tensor_parallel_size,
+                                               dis.decode_tensor_parallel_size])
         devices = jax.devices()
         need = tp * dp
         if sides is None and need > len(devices):
@@ -216,10 +216,11 @@ def _disaggregated_sides(dis: DisaggConfig, data_parallel_size: int, tps):
     for name, devs, tp in (("prefill", dis.prefill_devices, tps[0]),
                            ("decode", dis.decode_devices, tps[1])):
         devs = list(devs)
+        tp = len(devs) if tp is None else tp  # a side is tensor parallel over its devices
         if len(devs) != tp:
-            raise ValueError(f"{name}_devices lists {len(devs)} devices for a tensor-parallel "
-                             f"size of {tp} ({name}_tensor_parallel_size, else "
-                             "tensor_parallel_size): they must match")
+            raise ValueError(f"{name}_devices lists {len(devs)} devices for "
+                             f"{name}_tensor_parallel_size={tp}: they must match (leave it "
+                             "unset: it defaults to the number of devices)")
         sides.append((devs, tp))
     if {d.id for d in sides[0][0]} & {d.id for d in sides[1][0]}:
         raise ValueError("prefill_devices and decode_devices overlap")

@@ -115,7 +115,8 @@ class ReplicatedEngine:
         weights on its own devices, compiling nothing. The first replica checks the input
         before any replica changes (they were all built from the same model)."""
         check_in_flight(in_flight)
-        version = next_version(self.weight_version, version)
+        version = next_version(self.weight_version, version,
+                               self.replicas[0].served_versions)
         for e in self.replicas:
             e.update_params(params, version=version, in_flight=in_flight)
 

@@ -66,14 +66,23 @@ def check_in_flight(in_flight) -> None:
                          f"{in_flight!r}")
 
 
-def next_version(current, version):
+def next_version(current, version, served=()):
     """The version new weights serve under: ``version`` (an int or a str), or by default the
-    current one + 1."""
+    current one + 1. ``served``: every version served so far, which none may take again (the
+    prefix cache keys KV by version, so a reused one would serve KV of other weights)."""
     if version is None:
         if isinstance(current, bool) or not isinstance(current, int):
             raise ValueError(f"version: the current weight version {current!r} is not an int, "
                              "so it has no successor; pass version explicitly")
-        return current + 1
+        version = current + 1
+        while version in served:
+            version += 1
+        return version
     if isinstance(version, bool) or not isinstance(version, (int, str)):
         raise ValueError(f"version must be None, an int or a str, got {version!r}")
+    if version == current or version in served:
+        which = "the current one" if version == current else "one served before"
+        raise ValueError(f"version={version!r} is {which}: a version names one set of weights "
+                         "and the prefix cache keys KV by it, so new weights need a version "
+                         "not used yet")
     return version
