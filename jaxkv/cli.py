@@ -185,8 +185,6 @@ def _add_serve_parser(subparsers) -> None:
                    default=argparse.SUPPRESS, help="the same as --no-enable-prefix-caching")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests accepted before answering 429")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip compiling every program before serving")
     p.set_defaults(func=run_serve, settings=add_engine_arguments(p))
 
 
@@ -198,9 +196,7 @@ def run_serve(args) -> int:
     settings = engine_settings(args, args.settings)
     if args.host_kv_cache_gib is not None:
         settings["host_kv_cache_bytes"] = int(args.host_kv_cache_gib * 2**30)
-    llm = jaxkv.LLM(args.model, **settings)
-    if not args.no_warmup:
-        llm.engine.warmup()
+    llm = jaxkv.LLM(args.model, **settings)  # compiles every program first (--no-warmup: not)
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
           host=args.host, port=args.port, max_pending=args.max_pending)
     return 0

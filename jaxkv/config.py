@@ -158,7 +158,7 @@ class DisaggConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
-    """The compiled programs: attention kernels, compute dtype, sampling seed."""
+    """The compiled programs: attention kernels, compute dtype, sampling seed, warmup."""
 
     attention_impl: str = dataclasses.field(default="auto",
                                             metadata={"choices": ATTENTION_IMPLS})
@@ -170,6 +170,9 @@ class RuntimeConfig:
     bf16/fp32 on GPU/TPU), float32 or bfloat16."""
     seed: int = 0
     """Engine seed: the sampling keys of requests without their own SamplingParams.seed."""
+    warmup: bool = True
+    """Compile every program serving can run when the LLM is built (as vLLM does before it
+    serves), so no request waits on a compile; --no-warmup for quick scripts."""
 
     def __post_init__(self):
         name = type(self).__name__

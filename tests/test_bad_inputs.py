@@ -211,7 +211,7 @@ BAD = [
                                               sampling_params=[greedy()], use_tqdm=False),
                  ValueError, "sampling_params has 1 entries for 2 prompts",
                  id="LLM: params per prompt mismatch"),
-    pytest.param(lambda ctx: LLM(ctx.model, kv_cache_memory_bytes=10), ValueError,
+    pytest.param(lambda ctx: LLM(ctx.model, kv_cache_memory_bytes=10, warmup=False), ValueError,
                  "kv_cache_memory_bytes=10 holds no page", id="LLM: no room for a page"),
     # --- Engine construction ----------------------------------------------------------------
     pytest.param(_engine(page_size=12), ValueError, "page_size must be a power of two, got 12",
@@ -281,7 +281,7 @@ BAD = [
 @pytest.mark.parametrize("call, error, match", BAD)
 def test_bad_input_is_named_and_nothing_is_lost(tiny_model, checkpoint, expected, tmp_path,
                                                 call, error, match):
-    llm = LLM(tiny_model, **SMALL)
+    llm = LLM(tiny_model, **SMALL, warmup=False)
     engine = llm.engine
     engine.add_request("inflight", prompt_token_ids=IN_FLIGHT, sampling_params=greedy(40))
     for _ in range(3):  # two prefill chunks and a decode loop: the request is mid-flight

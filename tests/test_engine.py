@@ -226,7 +226,7 @@ def test_abort_frees_pages_at_once(tiny_model, tiny_config):
 def llm(default_model):
     memory = LARGE["num_pages"] * LARGE["page_size"] * kv_bytes_per_token(default_model)
     kw = {k: v for k, v in LARGE.items() if k != "num_pages"}
-    return LLM(default_model, kv_cache_memory_bytes=memory, **kw)
+    return LLM(default_model, kv_cache_memory_bytes=memory, **kw, warmup=False)
 
 
 def test_llm_generate_keeps_order_and_per_prompt_params(llm, default_model):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import SamplingParams
 
 GREEDY = jaxkv.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -101,3 +102,26 @@ def test_strings_need_a_tokenizer(tiny_model):
 def test_bad_page_size(tiny_model, prompts):
     with pytest.raises(ValueError, match="page_size"):
         jaxkv.generate(tiny_model, prompts, GREEDY, page_size=12)
+
+
+def test_varied_lengths_compile_nothing_new_after_the_first_calls(tiny_model, tiny_config):
+    """Rows, page-table width, pool size and prompt tokens are bucketed: once a call of each
+    prompt-token bucket ran, 20 calls of other prompt lengths and max_tokens compile nothing."""
+    from jaxkv.runtime.compiles import count_compiles
+
+    rng = np.random.default_rng(0)
+    greedy = dict(temperature=0, ignore_eos=True)
+
+    def call(n, m):
+        prompt = rng.integers(4, tiny_config.vocab_size, n).tolist()
+        out = jaxkv.generate(tiny_model, [prompt], SamplingParams(max_tokens=m, **greedy))
+        assert len(out[0]) == m
+
+    for n in (5, 20, 40):  # the token buckets 16, 32, 64
+        call(n, 3)
+    lengths = [(int(rng.integers(2, 64)), int(rng.integers(1, 64))) for _ in range(20)]
+    assert len(set(lengths)) == 20
+    with count_compiles() as compiles:
+        for n, m in lengths:
+            call(n, m)
+    assert compiles.count == 0

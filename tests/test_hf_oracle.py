@@ -247,7 +247,7 @@ def test_min_tokens_masks_stop_tokens_as_hf_min_new_tokens(checkpoints):
     got = jaxkv.generate(model, [prompt], sp, page_size=PAGE_SIZE)[0]
     assert got == want
     assert stop not in got[:k] and got[:free.index(stop)] == free[:free.index(stop)]
-    out = jaxkv.LLM(model, page_size=PAGE_SIZE).generate(prompt_token_ids=[prompt],
+    out = jaxkv.LLM(model, page_size=PAGE_SIZE, warmup=False).generate(prompt_token_ids=[prompt],
                                                          sampling_params=sp, use_tqdm=False)
     assert out[0].outputs[0].token_ids == want
 

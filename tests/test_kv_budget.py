@@ -63,7 +63,7 @@ def test_fraction_out_of_range_is_named(tiny_config, fraction):
 def test_cpu_default_is_capped_by_ram_and_by_what_sequences_can_use(caplog):
     model = jaxkv.load_default()
     with caplog.at_level(logging.INFO, logger="jaxkv"):
-        llm = jaxkv.LLM(model, max_num_seqs=4)
+        llm = jaxkv.LLM(model, max_num_seqs=4, warmup=False)
     pool = llm.kv_pool
     # 4 sequences of the model's 1,024 positions at 16 tokens a page, plus one spare page
     assert pool.pages == 4 * 1024 // 16 + 1
@@ -75,7 +75,7 @@ def test_cpu_default_is_capped_by_ram_and_by_what_sequences_can_use(caplog):
 
 
 def test_max_model_len_defaults_to_what_a_small_pool_holds():
-    llm = jaxkv.LLM(jaxkv.load_default(), num_pages=8)
+    llm = jaxkv.LLM(jaxkv.load_default(), num_pages=8, warmup=False)
     assert llm.kv_pool.max_model_len == 8 * 16
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(prompt_token_ids=[list(range(3, 200))],

@@ -248,7 +248,7 @@ def test_engine_bad_words_never_complete():
 
     model = jaxkv.load_pretrained(DEFAULT_MODEL_DIR)
     prompt = "def fib(n):"
-    free = jaxkv.LLM(model, num_pages=64, max_model_len=256).generate(
+    free = jaxkv.LLM(model, num_pages=64, max_model_len=256, warmup=False).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2,
                                  prompt_logprobs=1))[0]
     n_prompt = len(free.prompt_token_ids)

@@ -179,7 +179,7 @@ def test_a_quantized_state_names_the_scales_field(tiny_config):
 
 @pytest.mark.parametrize("make", [
     lambda m: Engine(m, num_pages=8, kv_cache_dtype="int4"),
-    lambda m: LLM(m, num_pages=8, kv_cache_dtype="int4"),
+    lambda m: LLM(m, num_pages=8, kv_cache_dtype="int4", warmup=False),
     lambda m: jaxkv.generate(m, [[1, 2]], kv_cache_dtype="int4"),
 ])
 def test_bad_kv_cache_dtype_is_named(tiny_model, make):
@@ -192,11 +192,11 @@ def test_pool_sizing_counts_the_scales(tiny_model):
     per_token = c.num_layers * c.num_kv_heads * (2 * c.head_dim + 4)  # int8 values + one word
     assert kv_bytes_per_token(c, jnp.int8) == per_token
     budget = 2**22
-    llm = LLM(tiny_model, kv_cache_memory_bytes=budget, kv_cache_dtype="int8")
+    llm = LLM(tiny_model, kv_cache_memory_bytes=budget, kv_cache_dtype="int8", warmup=False)
     # Whole rows of scale words: pages of 16 tokens pack 8 pages' words to a row.
     assert llm.kv_pool.pages == budget // (16 * per_token) // 8 * 8
     assert llm.engine.state.kv_pages.dtype == jnp.int8
-    fp32 = LLM(tiny_model, kv_cache_memory_bytes=budget)
+    fp32 = LLM(tiny_model, kv_cache_memory_bytes=budget, warmup=False)
     assert fp32.kv_pool.bytes_per_token == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     # head_dim 16: 128 bytes of f32 per kv head and token against 32 + 4 of int8
     assert llm.kv_pool.pages / fp32.kv_pool.pages == pytest.approx(128 / 36, rel=1e-2)

@@ -65,8 +65,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server():
     model = jaxkv.load_default()
-    s = Server(jaxkv.LLM(model, max_model_len=256, num_pages=128, max_num_seqs=8))
-    s.oracle = jaxkv.LLM(model, max_model_len=256, num_pages=128)  # its own engine
+    s = Server(jaxkv.LLM(model, max_model_len=256, num_pages=128, max_num_seqs=8, warmup=False))
+    s.oracle = jaxkv.LLM(model, max_model_len=256, num_pages=128, warmup=False)  # its own engine
     yield s
     s.close()
 
@@ -253,7 +253,7 @@ def test_an_engine_error_fails_that_request_and_the_server_keeps_serving(server,
 
 
 def test_a_full_queue_answers_429():
-    llm = jaxkv.LLM(None, max_model_len=256, num_pages=64, max_num_seqs=2)
+    llm = jaxkv.LLM(None, max_model_len=256, num_pages=64, max_num_seqs=2, warmup=False)
 
     def slow(fn):  # a slow device: the first request is surely unfinished when the next comes
         def run(*args):
@@ -333,7 +333,8 @@ def test_a_disaggregated_engine_serves_and_counts_its_transfers(server):
     from jaxkv import Engine
     from jaxkv.disagg import DisaggregatedEngine
 
-    llm = jaxkv.LLM(server.llm.model, max_model_len=256, num_pages=128, max_num_seqs=8)
+    llm = jaxkv.LLM(server.llm.model, max_model_len=256, num_pages=128, max_num_seqs=8,
+                    warmup=False)
     shape = dict(page_size=16, num_pages=64, max_num_seqs=8, max_model_len=256)
     llm.engine = DisaggregatedEngine(Engine(llm.model, **shape), Engine(llm.model, **shape))
     s = Server(llm)

@@ -139,7 +139,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(model, reference):
 
 def test_llm_generate_returns_whole_outputs_whatever_the_kind(model, reference):
     ids, text = reference
-    llm = jaxkv.LLM(model, **{k: v for k, v in ENGINE.items() if k != "num_pages"})
+    llm = jaxkv.LLM(model, **{k: v for k, v in ENGINE.items() if k != "num_pages"}, warmup=False)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                         output_kind=RequestOutputKind.DELTA)
     (out,) = llm.generate("Once upon a time", sp, use_tqdm=False)

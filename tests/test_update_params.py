@@ -247,7 +247,7 @@ def test_replicas_and_llm_update_every_engine(models):
     with pytest.raises(ValueError, match="in_flight"):
         replicated.update_params(old, in_flight="never")
     assert [e.weight_version for e in replicated.replicas] == [1, 1]
-    llm = jaxkv.LLM(old, **SHAPE)
+    llm = jaxkv.LLM(old, **SHAPE, warmup=False)
     llm.update_params(new, version=3)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(12), use_tqdm=False)
     assert tokens_of(outs) == want and llm.engine.weight_version == 3

@@ -48,3 +48,24 @@ def test_default_config_has_few_programs(tiny_model):
     assert kinds.count("step") == 6  # token buckets 16 ... 512
     assert kinds.count("decode_loop") == 4  # row buckets 1, 4, 16, 32
     assert kinds.count("logprobs") == 1
+
+
+def test_llm_warms_up_by_default_so_its_first_calls_compile_nothing(tiny_model, tiny_config):
+    """LLM(model) compiles every program as it is built: neither a first call nor the repeat
+    of the same prompt (a prefix-cache hit, a page copy) compiles; warmup=False opts out."""
+    import jaxkv
+
+    shape = dict(page_size=4, num_pages=32, max_num_seqs=4, max_model_len=96,
+                 max_num_batched_tokens=32)
+    prompt = np.random.default_rng(2).integers(4, tiny_config.vocab_size, 30).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = jaxkv.LLM(tiny_model, **shape)
+    with count_compiles() as calls:
+        first, again = (llm.generate(prompt_token_ids=[prompt], sampling_params=sp,
+                                     use_tqdm=False)[0] for _ in range(2))
+    assert calls.count == 0
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    cold = jaxkv.LLM(tiny_model, **dict(shape, num_pages=40), warmup=False)  # a new pool shape
+    with count_compiles() as calls:
+        cold.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)
+    assert calls.count > 0

@@ -84,7 +84,8 @@ def engine_rows(name: str, budget: int, context: int, page_size: int) -> list[di
             models[compute] = common.load_model(name, dtype=compute)[0]
         model = models[compute]
         llm = jaxkv.LLM(model, kv_cache_memory_bytes=budget, page_size=page_size,
-                        max_num_seqs=1, kv_cache_dtype="int8" if dtype == "int8" else "auto")
+                        max_num_seqs=1, kv_cache_dtype="int8" if dtype == "int8" else "auto",
+                        warmup=False)  # only the pool sizing is read
         pool, cfg = llm.kv_pool, model.config
         ctx = min(context, cfg.max_position_embeddings)
         shape = memory.ModelShape.from_config(cfg, name)

@@ -23,7 +23,7 @@ Reports generated tokens/s, mean TTFT and mean TPOT (medians over --repeats runs
 warm-up run), the ratio to transformers generate, whether greedy tokens agree, and a PNG.
 
     jaxkv bench peers [--repeats 3] [--threads 2] [--workloads single batch ...]
-                      [--engines hf hf_cb jaxkv llm] [--out out/bench_peers.png]
+                      [--engines hf hf_cb jaxkv llm generate] [--out out/bench_peers.png]
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from jaxkv.model.loading import save_params
 NAME = "peers"
 WORKLOADS = ("single", "batch", "shared_prefix", "multiturn")
 ENGINES = {"hf": "transformers generate", "hf_cb": "transformers continuous batching",
-           "jaxkv": "jaxkv Engine (tuned)", "llm": "jaxkv LLM(model) defaults"}
+           "jaxkv": "jaxkv Engine (tuned)", "llm": "jaxkv LLM(model) defaults",
+           "generate": "jaxkv.generate"}
 
 
 def add_arguments(parser) -> None:
@@ -133,6 +134,16 @@ def jaxkv_round(engine, prompts, new, counter):
     return outs, ttft, tpot
 
 
+def generate_round(model, prompts, new):
+    """One round through `jaxkv.generate` (no state kept between calls); TTFT is the first
+    token's time for every prompt (they are prefilled together)."""
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    outs, stats = jaxkv.generate_with_stats(model, prompts, sp)
+    first, last = stats.token_times[0], stats.token_times[-1]
+    tpot = (last - first) / max(new - 1, 1)
+    return outs, [first] * len(prompts), [tpot] * len(prompts)
+
+
 def build_engines(names, model, folder, threads, tuned: dict):
     """name -> generate_round for each engine, and (programs, warmup seconds) of jaxkv's."""
     runners, setup = {}, {}
@@ -150,9 +161,11 @@ def build_engines(names, model, folder, threads, tuned: dict):
         runners["jaxkv"] = lambda p, n: jaxkv_round(engine, p, n, counter)
     if "llm" in names:
         t = time.perf_counter()
-        llm = jaxkv.LLM(model)
-        setup["llm"] = (llm.engine.warmup(), time.perf_counter() - t)
+        llm = jaxkv.LLM(model)  # warms itself up: every program compiled
+        setup["llm"] = (len(llm.engine.programs()), time.perf_counter() - t)
         runners["llm"] = lambda p, n: jaxkv_round(llm.engine, p, n, counter)
+    if "generate" in names:  # compiles in the warm-up round of each workload
+        runners["generate"] = lambda p, n: generate_round(model, p, n)
     return runners, setup
 
 

@@ -149,7 +149,7 @@ def run(args) -> dict:
     vocab = model.config.vocab_size
     prompts = [rng.integers(10, vocab, args.input_len).tolist() for _ in range(args.num_prompts)]
     kw = common.engine_kwargs(args, max_num_seqs=max(args.concurrency, 4))
-    llm = jaxkv.LLM(model, **kw)
+    llm = jaxkv.LLM(model, **kw, warmup=False)
     warm = time.perf_counter()
     compiled = 0 if args.no_warmup else llm.engine.warmup()
     print(f"model: {served} ({model.config.num_params():,} params); warmup compiled {compiled} "

@@ -20,13 +20,14 @@ from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.processors import has_processors
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, check_bannable, request_key
-from jaxkv.runtime.steps import make_steps
+from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, default_decode_steps, make_steps
 from jaxkv.sampling_params import SamplingParams
 from pallas_kernels.quant import storage_dtype
 
 _DEFAULT = SamplingParams()
 
 DEFAULT_TOKEN_BUDGET = 2048  # prompt tokens per prefill step
+MIN_WIDTH = 8  # pages per sequence in the page table at least (shorter calls share programs)
 
 
 @dataclasses.dataclass
@@ -94,15 +95,50 @@ def _per_prompt(sampling, n_prompts) -> list[SamplingParams]:
     return sampling
 
 
+def _decode_loop_batch(seqs: list[_Seq], rows: int, table: PageTable, eos, steps: int
+                       ) -> DecodeLoopBatch:
+    """The decode loop's inputs for every live sequence (row = slot); the others idle."""
+    tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    live, limit = np.zeros(rows, bool), np.zeros(rows, np.int32)
+    generated, min_tokens = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    max_tokens = np.ones(rows, np.int32)
+    stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+    keys = np.zeros((rows, 2), np.uint32)
+    temperature, top_k = np.zeros(rows, np.float32), np.zeros(rows, np.int32)
+    top_p = np.ones(rows, np.float32)
+    for s in seqs:
+        sp, i = s.params, s.slot
+        if s.done:
+            continue
+        table.update(i, s.pages, 0, s.slot)
+        tokens[i], positions[i], live[i], limit[i] = s.out[-1], len(s.tokens) - 1, True, steps
+        generated[i], min_tokens[i], max_tokens[i] = len(s.out), sp.min_tokens, sp.max_tokens
+        ids = sp.stop_ids(eos)
+        stop_ids[i, :len(ids)] = ids
+        keys[i], temperature[i], top_k[i], top_p[i] = s.key, sp.temperature, sp.top_k, sp.top_p
+    return DecodeLoopBatch(
+        tokens=tokens, positions=positions, page_table=table.table.copy(), live=live,
+        limit=limit, generated=generated, min_tokens=min_tokens, max_tokens=max_tokens,
+        stop_ids=stop_ids, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p,
+        num_steps=np.int32(steps))
+
+
 def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int = 16,
                         prefill_chunk: int | None = None, attention_impl: str = "auto",
                         recompute: bool = False, exact_shapes: bool = False,
                         token_budget: int = DEFAULT_TOKEN_BUDGET, kv_cache_dtype: str = "auto"):
     """`generate`, also returning a GenerationStats.
 
+    Shapes are bucketed so that calls with other lengths reuse the programs compiled before:
+    rows and the page-table width are powers of two (the width at least MIN_WIDTH pages),
+    the pool holds rows x width pages, and prompt tokens per step are a power of two. Decoding
+    runs the runtime's multi-step decode loop (the serving engine's), the next loop dispatched
+    before the current one's tokens are read.
+
     ``recompute=True`` is the no-cache baseline. ``exact_shapes=True`` pads token counts only
-    to a multiple of 16 (a program per 16 tokens), so that timing a baseline measures its
-    work rather than bucket padding.
+    to a multiple of 16 and sizes everything exactly (a program per 16 tokens), and decodes
+    one step per host round trip, so that timing a baseline measures its work rather than
+    bucket padding.
     """
     if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size!r}")
@@ -115,33 +151,27 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
 
     seqs: list[_Seq] = []
     for i, (prompt, sp) in enumerate(zip(ids, params_list, strict=True)):
-        if sp.stop:
-            raise ValueError(f"SamplingParams.stop={sp.stop!r}: jaxkv.generate returns token "
-                             "ids only; use jaxkv.LLM or jaxkv.Engine for stop strings")
-        for field in ("logprobs", "prompt_logprobs"):
-            if getattr(sp, field) is not None:
-                raise ValueError(f"SamplingParams.{field}={getattr(sp, field)!r}: "
-                                 "jaxkv.generate returns token ids only; use jaxkv.LLM or "
-                                 "jaxkv.Engine")
-        if has_processors(sp):
-            field = next(f for f in ("presence_penalty", "frequency_penalty",
-                                     "repetition_penalty", "logit_bias", "allowed_token_ids",
-                                     "bad_words") if getattr(sp, f) != getattr(_DEFAULT, f))
-            raise ValueError(f"SamplingParams.{field}={getattr(sp, field)!r}: jaxkv.generate "
-                             "has no logits processors; use jaxkv.LLM or jaxkv.Engine")
+        _check_supported(sp)
         check_bannable(sp, cfg.eos_token_ids)
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
             seqs.append(_Seq(len(seqs), prompt, sp, request_key(seed, j), []))
     pages_per_seq = [cdiv(len(s.prompt) + s.params.max_tokens, page_size) for s in seqs]
-    allocator = PageAllocator(sum(pages_per_seq))
+    if exact_shapes:
+        rows, width, num_pages = len(seqs), max(pages_per_seq), sum(pages_per_seq)
+    else:
+        rows, width = pow2(len(seqs)), max(MIN_WIDTH, pow2(max(pages_per_seq)))
+        num_pages = rows * width
+    allocator = PageAllocator(num_pages)
     for s, n in zip(seqs, pages_per_seq, strict=True):
         s.pages = allocator.allocate(n)
-    width = max(pages_per_seq)
-    state = init_state(cfg, allocator.num_pages, page_size, model.dtype, kv_cache_dtype)
-    table = PageTable(len(seqs), width, allocator.num_pages, page_size)
-    steps = make_steps(model.graphdef, attention_impl)
-    eos = set(cfg.eos_token_ids)
+    state = init_state(cfg, num_pages, page_size, model.dtype, kv_cache_dtype)
+    table = PageTable(rows, width, num_pages, page_size)
+    eos = cfg.eos_token_ids
+    loop_steps = 0 if exact_shapes or recompute else default_decode_steps()
+    if any(len(s.params.stop_ids(eos)) > MAX_STOP_IDS for s in seqs):
+        loop_steps = 0  # more stop ids than the loop checks on device: a step at a time
+    steps = make_steps(model.graphdef, attention_impl, None, max(loop_steps, 1))
     stats = GenerationStats(prompt_tokens=sum(len(s.prompt) for s in seqs),
                             kv_pages_used=allocator.num_used, page_size=page_size,
                             kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype))
@@ -149,18 +179,26 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     def tokens_bucket(n):
         return cdiv(n, 16) * 16 if exact_shapes else pow2(max(n, 16))
 
-    def run(rows, finishing):
+    def took(s: _Seq, tok: int) -> None:
+        s.out.append(tok)
+        if s.params.finish_reason(tok, len(s.out), eos) is not None:
+            s.done = True
+
+    def tick() -> None:
+        stats.token_times.append(time.perf_counter() - t0)
+        stats.token_counts.append(sum(len(s.out) for s in seqs))
+
+    def run(rows_, finishing):
         """One step; samples a token for each row in `finishing` (a slot -> seq map)."""
         nonlocal state
-        batch = build_batch(rows, table, tokens_bucket=tokens_bucket(sum(len(r.tokens)
-                                                                          for r in rows)),
+        batch = build_batch(rows_, table, tokens_bucket=tokens_bucket(sum(len(r.tokens)
+                                                                           for r in rows_)),
                             vocab_size=cfg.vocab_size)
         # Sample every row (rows that are not finishing a prompt are greedy and ignored).
-        b = len(seqs)
-        keys = np.zeros((b, 2), np.uint32)
-        temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
-        top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
-        banned = np.full((b, MAX_BANNED), -1, np.int32)
+        keys = np.zeros((rows, 2), np.uint32)
+        temperature, top_k = np.zeros(rows, np.float32), np.zeros(rows, np.int32)
+        top_p, step = np.ones(rows, np.float32), np.zeros(rows, np.int32)
+        banned = np.full((rows, MAX_BANNED), -1, np.int32)
         for i, s in finishing.items():
             sp = s.params
             keys[i], step[i] = s.key, len(s.out)
@@ -168,58 +206,94 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
             ids = sp.banned_ids(len(s.out), eos)
             banned[i, :len(ids)] = ids
         tokens, _, _, state = steps.step(model.params, state, batch, keys,
-                                      SamplingArrays(temperature, top_k, top_p, step, banned))
+                                         SamplingArrays(temperature, top_k, top_p, step, banned))
         stats.steps += 1
         if not finishing:
             return
         tokens = np.asarray(tokens)
-        stats.token_times.append(time.perf_counter() - t0)
-        stats.token_counts.append(sum(len(s.out) for s in seqs) + len(finishing))
         for i, s in finishing.items():
-            tok = int(tokens[i])
-            s.out.append(tok)
-            if s.params.finish_reason(tok, len(s.out), eos) is not None:
-                s.done = True
+            took(s, int(tokens[i]))
+        tick()
 
     # Prefill: chunks of every prompt, packed under a token budget.
     t0 = time.perf_counter()
     if not recompute:
         pending = list(seqs)
         while pending:
-            rows, finishing, budget = [], {}, token_budget
+            rows_, finishing, budget = [], {}, token_budget
             for s in list(pending):
                 take = len(s.prompt) - s.prefilled
                 take = min(take, prefill_chunk or take)
-                if rows and take > budget:
+                if rows_ and take > budget:
                     break
-                rows.append(Row(s.slot, s.prompt[s.prefilled:s.prefilled + take],
-                                s.prefilled, s.pages, owner=s.slot))
+                rows_.append(Row(s.slot, s.prompt[s.prefilled:s.prefilled + take],
+                                 s.prefilled, s.pages, owner=s.slot))
                 s.prefilled += take
                 budget -= take
                 if s.prefilled == len(s.prompt):
                     finishing[s.slot] = s
                     pending.remove(s)
-            run(rows, finishing)
+            run(rows_, finishing)
     t1 = time.perf_counter()
     stats.prefill_seconds = t1 - t0
 
-    # Decode: one token per live sequence per step (or the whole sequence, recomputed).
-    while True:
-        live = [s for s in seqs if not s.done and (s.out or recompute)]
-        if not live:
-            break
-        if recompute:
-            rows = [Row(s.slot, s.tokens, 0, s.pages, owner=s.slot) for s in live]
-        else:
-            rows = [Row(s.slot, s.out[-1:], len(s.tokens) - 1, s.pages, owner=s.slot)
-                    for s in live]
-        run(rows, {s.slot: s for s in live})
+    if loop_steps:
+        # Decode on device, loop after loop: each is dispatched from the one before (its
+        # pending tokens and positions stay on the device) before that one's tokens are read.
+        if any(not s.done for s in seqs):
+            loop = _decode_loop_batch(seqs, rows, table, eos, loop_steps)
+            out, after, state = steps.decode_loop(model.params, state, loop)
+            while True:
+                following = None
+                if not all(s.done for s in seqs):
+                    following = steps.decode_loop(model.params, state, after)
+                    state = following[2]
+                got = np.asarray(out)
+                stats.steps += int((got >= 0).any(axis=1).sum())
+                for s in seqs:
+                    for tok in got[:, s.slot]:
+                        if tok >= 0 and not s.done:
+                            took(s, int(tok))
+                tick()
+                if all(s.done for s in seqs) or following is None:
+                    break
+                out, after, _ = following
+    else:
+        # One token per live sequence per step (or the whole sequence, recomputed).
+        while True:
+            live = [s for s in seqs if not s.done and (s.out or recompute)]
+            if not live:
+                break
+            if recompute:
+                rows_ = [Row(s.slot, s.tokens, 0, s.pages, owner=s.slot) for s in live]
+            else:
+                rows_ = [Row(s.slot, s.out[-1:], len(s.tokens) - 1, s.pages, owner=s.slot)
+                         for s in live]
+            run(rows_, {s.slot: s for s in live})
     stats.decode_seconds = time.perf_counter() - t1
     stats.generated_tokens = sum(len(s.out) for s in seqs)
     for s in seqs:
         allocator.free(s.pages)
     allocator.check()
     return [s.out for s in seqs], stats
+
+
+def _check_supported(sp: SamplingParams) -> None:
+    """Raises ValueError naming the field `generate` does not serve (it returns ids only)."""
+    if sp.stop:
+        raise ValueError(f"SamplingParams.stop={sp.stop!r}: jaxkv.generate returns token "
+                         "ids only; use jaxkv.LLM or jaxkv.Engine for stop strings")
+    for field in ("logprobs", "prompt_logprobs"):
+        if getattr(sp, field) is not None:
+            raise ValueError(f"SamplingParams.{field}={getattr(sp, field)!r}: "
+                             "jaxkv.generate returns token ids only; use jaxkv.LLM or "
+                             "jaxkv.Engine")
+    if has_processors(sp):
+        field = next(f for f in ("presence_penalty", "frequency_penalty",
+                                 "repetition_penalty", "logit_bias", "allowed_token_ids",
+                                 "bad_words") if getattr(sp, f) != getattr(_DEFAULT, f))
+        raise ValueError(f"SamplingParams.{field}={getattr(sp, field)!r}: jaxkv.generate "
+                         "has no logits processors; use jaxkv.LLM or jaxkv.Engine")
 
 
 def generate(model: Model, prompts: Sequence, sampling=None, *, page_size: int = 16,

@@ -103,13 +103,19 @@ class LLM:
                                       mesh=make_mesh(n, devs))
                                for (devs, n), pool in zip(sides, pools, strict=True))
             self.engine = DisaggregatedEngine(prefill, decode)
-            return
+        else:
+            self.engine = self._colocated(model, cfg, devices, need, max_len)
+        if cfg.runtime.warmup:
+            self.engine.warmup()  # every program compiled before the first request
+
+    def _colocated(self, model, cfg, devices, need: int, max_len: int):
+        tp, dp = cfg.parallel.tensor_parallel_size, cfg.parallel.data_parallel_size
         meshes = [make_mesh(tp, devices[r * tp:(r + 1) * tp]) if need > 1 else None
                   for r in range(dp)]
         # Distinct seeds: unseeded requests on different replicas draw different numbers.
         engines = [Engine(model, _engine_config(cfg, self.kv_pool.pages, max_len, seed_offset=r),
                           mesh=mesh) for r, mesh in enumerate(meshes)]
-        self.engine = engines[0] if dp == 1 else ReplicatedEngine(engines)
+        return engines[0] if dp == 1 else ReplicatedEngine(engines)
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

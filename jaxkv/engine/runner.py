@@ -38,7 +38,7 @@ from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import build_processors, has_processors, sample_processed
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample, token_logprobs
-from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, make_steps
+from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, default_decode_steps, make_steps
 from jaxkv.sampling_params import MAX_LOGPROBS
 from jaxkv.sharding import commit, shard, shard_state
 from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
@@ -109,8 +109,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs = sched.max_num_seqs
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
         steps = sched.max_decode_steps
-        if steps is None:  # TPU/GPU loops are not proven yet (see docs/AOT.md)
-            steps = 8 if jax.default_backend() == "cpu" else 1
+        if steps is None:
+            steps = default_decode_steps()
         self.steps = make_steps(model.graphdef, impl, mesh, steps)
         self.token_buckets = ladder(max(sched.max_num_batched_tokens, max_num_seqs))
         self.row_buckets = tuple(sorted({min(4 ** i, max_num_seqs)

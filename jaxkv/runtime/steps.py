@@ -179,6 +179,12 @@ class Steps(NamedTuple):
     prompt_logprobs: callable  # (params, hidden, idx, targets, k) -> token_logprobs' four
 
 
+def default_decode_steps() -> int:
+    """Decode steps per loop when the settings name none: 8 on CPU, 1 on GPU/TPU (where
+    longer loops are not proven yet, see docs/AOT.md)."""
+    return 8 if jax.default_backend() == "cpu" else 1
+
+
 @functools.lru_cache(maxsize=16)
 def make_steps(graphdef, attention_impl: str = "auto", mesh=None, max_decode_steps: int = 8
                ) -> Steps:

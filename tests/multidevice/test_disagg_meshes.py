@@ -84,7 +84,8 @@ def test_tokens_equal_one_device_across_tensor_parallel_sizes(model, reference, 
 def test_llm_with_prefill_and_decode_devices(model, reference):
     devices = jax.devices()
     # Each side's tensor-parallel size defaults to its device count (2 and 4 here).
-    llm = LLM(model, prefill_devices=devices[:2], decode_devices=devices[2:6], **SHAPE)
+    llm = LLM(model, prefill_devices=devices[:2], decode_devices=devices[2:6], **SHAPE,
+              warmup=False)
     assert isinstance(llm.engine, DisaggregatedEngine)
     assert [e.runner.mesh.devices.size for e in llm.engine.engines] == [2, 4]
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(

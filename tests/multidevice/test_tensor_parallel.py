@@ -51,14 +51,14 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def one_device(model):
-    outs = LLM(model, **SHAPE).generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
-                                        use_tqdm=False)
+    outs = LLM(model, **SHAPE, warmup=False).generate(prompt_token_ids=PROMPTS,
+                                                      sampling_params=GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 1), (4, 1), (1, 2), (2, 2)])
 def test_greedy_tokens_equal_one_device(model, one_device, tp, dp):
-    llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, **SHAPE)
+    llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, **SHAPE, warmup=False)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == one_device
     engines = llm.engine.replicas if dp > 1 else [llm.engine]
@@ -126,16 +126,16 @@ def test_shard_is_functional(model):
 
 def test_bad_parallel_sizes_are_named(model):
     with pytest.raises(ValueError, match="tensor_parallel_size=8 does not divide num_heads=4"):
-        LLM(model, tensor_parallel_size=8, **SHAPE)
+        LLM(model, tensor_parallel_size=8, **SHAPE, warmup=False)
     with pytest.raises(ValueError, match="needs 16 devices; 8 available"):
-        LLM(model, tensor_parallel_size=4, data_parallel_size=4, **SHAPE)
+        LLM(model, tensor_parallel_size=4, data_parallel_size=4, **SHAPE, warmup=False)
     with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
-        LLM(model, data_parallel_size=0, **SHAPE)
+        LLM(model, data_parallel_size=0, **SHAPE, warmup=False)
 
 
 def test_checkpoint_loads_into_shards(model, one_device, tmp_path):
     save_params(model.module(), tmp_path)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, **SHAPE)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **SHAPE, warmup=False)
     params = llm.engine.model.params
     assert all(isinstance(x, jax.Array) and len(x.sharding.device_set) == 2
                for x in jax.tree.leaves(params))
