@@ -185,6 +185,11 @@ def _add_serve_parser(subparsers) -> None:
                    default=argparse.SUPPRESS, help="the same as --no-enable-prefix-caching")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests accepted before answering 429")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key /v1/* requires as 'Authorization: Bearer KEY' (repeatable); "
+                        "each key is a tenant with its own prefix-cache namespace")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="more keys, one per line (like --api-key)")
     p.set_defaults(func=run_serve, settings=add_engine_arguments(p))
 
 
@@ -192,13 +197,18 @@ def run_serve(args) -> int:
     """Loads the model, warms the engine up and serves until interrupted."""
     import jaxkv
     from jaxkv.server import serve
+    from jaxkv.server.auth import Tenants, read_key_file
 
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        keys += read_key_file(args.api_key_file)
+    Tenants(keys)  # a malformed key is refused before the model loads
     settings = engine_settings(args, args.settings)
     if args.host_kv_cache_gib is not None:
         settings["host_kv_cache_bytes"] = int(args.host_kv_cache_gib * 2**30)
     llm = jaxkv.LLM(args.model, **settings)  # compiles every program first (--no-warmup: not)
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
-          host=args.host, port=args.port, max_pending=args.max_pending)
+          host=args.host, port=args.port, max_pending=args.max_pending, api_keys=keys)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Test helpers: run an engine to completion, checking the page books after every step; greedy
-references and the near-tie rule for comparing greedy tokens across step shapes."""
+references and the near-tie rule for comparing greedy tokens across step shapes; a real
+`jaxkv serve` server (uvicorn on 127.0.0.1) in a thread."""
 
 # Logits differ in their last bits across step shapes (chunking, batch, tensor parallelism);
 # fp32 gaps above this are decided the same way whatever the shape.
@@ -41,3 +42,61 @@ def assert_same_up_to_near_ties(tokens, ref, near_tie: float = NEAR_TIE) -> None
             second, first = sorted(v.logprob for v in ref_logprobs[j].values())[-2:]
             assert first - second < near_tie, (j, tokens, ref_tokens)
             return
+
+
+MODEL = "tiny-llama"  # the served model name of `Server`
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`build_app(llm, **app_kw)` served by uvicorn on a free port, in a daemon thread, with
+    an `openai` client (``api_key`` is what that client sends)."""
+
+    def __init__(self, llm, max_pending=256, api_key="none", **app_kw):
+        import threading
+        import time
+
+        import openai
+        import uvicorn
+
+        from jaxkv.server import build_app
+
+        self.llm = llm
+        self.app = build_app(llm, model_name=MODEL, max_pending=max_pending, **app_kw)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        # log_config=None: uvicorn's dictConfig would close pytest's logging handlers
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port,
+                                                    log_level="warning", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
+                                    timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        import re
+
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics", timeout=60).text
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r'^(jaxkv:[a-z_]+)\{model_name="[^"]*"\} ([0-9.e+-]+)$', line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -318,3 +318,33 @@ def test_a_failed_prefill_step_that_loses_the_pool_recomputes_waiting_handoffs(m
     for w in (p, d):
         assert w.report()["check"] == "ok"
         assert _in_use(w.engine) == 0 and w.engine.stats().kv_pages_used == 0
+
+
+def test_an_offer_for_a_reservation_the_decode_side_cancelled_is_drained(model):
+    """The decode side loses its pool after reserving for "r" but before r's offer comes: r
+    recomputes there, and the offer that still arrives is pulled and dropped, not left on the
+    prefill side's transfer server."""
+    from test_faults import faulty
+
+    p, d = _pair(model, max_decode_steps=1)
+    outs = {}
+    step = _stepper(outs)
+    p.add_request("busy", prompt_token_ids=LONG, sampling_params=greedy(30))
+    _until(lambda: step(p) or step(d) or "busy" in d.engine._requests, "busy decoding")
+    p.add_request("r", prompt_token_ids=A, sampling_params=greedy(4))
+    _until(lambda: step(p) or "r" in p._held, "r handed off")
+    d.engine.steps = faulty(d.engine.steps, fail_at=1, mode="consume")
+    step(d)  # reserves for r; then its step fails and loses the pool: r recomputes here
+    assert d.engine.state_resets == 1 and "r" not in d._incoming and d.engine.has_request("r")
+    step(p)  # reads the reservation: offers r's pages
+    assert "r" in p._offered
+    step(d)
+    assert d.counters["drained_offers"] == 1
+    _until(lambda: step(p) or step(d) or not p.has_unfinished_requests(), "all finished")
+    _until(lambda: step(d) or not d._draining, "the drained offer")
+    assert outs["busy"].outputs[0].finish_reason == "error"  # it was in the failed step
+    assert outs["r"].outputs[0].finish_reason == "length"
+    assert_same_up_to_near_ties(outs["r"].outputs[0].token_ids, reference(model, A, 4)[0])
+    for w in (p, d):
+        assert w.report()["check"] == "ok"
+        assert _in_use(w.engine) == 0 and w.engine.stats().kv_pages_used == 0

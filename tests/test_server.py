@@ -4,62 +4,19 @@ sampling parameters."""
 
 from __future__ import annotations
 
-import re
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from serving import MODEL, Server, free_port
 
 import jaxkv
-from jaxkv.server import build_app
 
-MODEL = "tiny-llama"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:", "for i in range("]
 SYSTEM = ("You are a careful assistant who writes short Python functions with docstrings, "
           "type hints and no external dependencies. ") * 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, llm, max_pending=256):
-        self.llm = llm
-        self.app = build_app(llm, model_name=MODEL, max_pending=max_pending)
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        # log_config=None: uvicorn's dictConfig would close pytest's logging handlers
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port,
-                                                    log_level="warning", log_config=None))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
-                                    timeout=120)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=60).text
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r'^(jaxkv:[a-z_]+)\{model_name="[^"]*"\} ([0-9.e+-]+)$', line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
-        return out
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +148,34 @@ def test_bad_input_is_a_400_naming_the_field(server, kwargs, field):
                                             temperature=0).choices[0].text is not None
 
 
+@pytest.mark.parametrize("content", ['{"model": "tiny-llama", "prompt": ', "not json",
+                                     '{"prompt": "x",}'])
+def test_malformed_json_is_a_400_without_a_byte_offset_for_param(server, content):
+    r = httpx.post(f"{server.url}/v1/completions", content=content, timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["message"].startswith("the request body is not valid JSON: "), error
+    assert error["param"] is None and error["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": 5}, "prompt"),  # no union-member tag ("prompt.str")
+    ("completions", {"prompt": "x", "stop": [1]}, "stop"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]},
+     "messages.0.role"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("completions", [1, 2], None),  # JSON, but not an object: no field to name
+])
+def test_a_field_error_names_the_field(server, endpoint, body, param):
+    r = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param or 'the request body'}: "), error
+
+
 def test_unknown_model_is_a_404(server):
     with pytest.raises(openai.NotFoundError, match="nope"):
         server.client.completions.create(model="nope", prompt="x", max_tokens=2)
@@ -285,7 +270,7 @@ def test_jaxkv_serve_command_serves(tmp_path):
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port),
                              "--max-model-len", "128", "--num-pages", "32", "--no-warmup"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

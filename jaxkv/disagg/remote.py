@@ -12,7 +12,7 @@ coordinated by pickled dicts over a `multiprocessing.connection` channel ("link"
                         "sampling_params", "cache_salt", "arrival_index", "arrival_time",
                         "num_tokens", "samples": [per-sample state, `CARRIED`]}
     decode -> prefill  {"op": "reserve", "request_id", "first"}     pages first.. are missing
-    prefill -> decode  {"op": "offer", "request_id", "uuid"}        offered under uuid, uuid+1..
+    prefill -> decode  {"op": "offer", "request_id", "uuid", "sizes"} parts under uuid, uuid+1..
     decode -> prefill  {"op": "landed", "request_id"}               pulled: prefill frees pages
     decode -> prefill  {"op": "finished", "request_id"}             ended on the decode side
     prefill -> decode  {"op": "abort", "request_id"[, "error"]}     not (or no longer) held here
@@ -35,7 +35,10 @@ Aborts go to the prefill worker, which aborts what its engine holds and forwards
 order behind its own messages, so the decode side always sees a hand-off before its abort.
 Offers are never left pending: a pull of an offer that never comes never ends (and an expired
 offer is such an offer), so offers carry no deadline and the decode side pulls every offer it
-is told about, dropping the payload of an aborted request once it arrives ("draining").
+is told about, dropping the payload of an aborted request once it arrives ("draining"). That
+includes an offer for a request it no longer expects (its reservation was cancelled because
+its own pool was lost, and the request recomputes there): the offer names its parts' sizes, so
+it can always be pulled and dropped (`counters["drained_offers"]`).
 
 Request ids: the prefill worker refuses (ValueError) an id in use by an unfinished request
 wherever it is: its engine's, and every id it handed off until the decode worker says
@@ -125,7 +128,7 @@ class Worker:
         self.other: dict | None = None  # the other side's hello, once read
         self.link_open = True  # False once the other side closed the link (it stopped)
         self.counters = dict(requests=0, pages=0, bytes=0, reused_pages=0, aborted=0,
-                             recomputed=0, failed=0)
+                             recomputed=0, failed=0, drained_offers=0)
         channel.send(self.hello)
 
     def _other(self) -> dict:
@@ -310,8 +313,9 @@ class PrefillWorker(Worker):
         pick, _ = head_maps(state.num_kv_heads, d["kv_heads"])
         if shards > len(jax.local_devices()):  # too few devices for the decode layout: one
             shards = 1                          # block, resharded after the pull
-        uuid = self._next_uuid
+        uuid, sizes = self._next_uuid, []
         for part, size in padded_parts(h.pages[first:n], d["sizes"]):
+            sizes.append(size)
             src = np.full(size, state.num_pages, np.int32)  # out of range: zeros
             src[:len(part)] = part
             payload = export_pages(state, src, None if pick is None else jnp.asarray(pick))
@@ -321,7 +325,7 @@ class PrefillWorker(Worker):
         self.counters["bytes"] += (n - first) * page_bytes(state, min(state.num_kv_heads,
                                                                         d["kv_heads"]))
         self._offered.add(rid)
-        self.channel.send(dict(op="offer", request_id=rid, uuid=uuid))
+        self.channel.send(dict(op="offer", request_id=rid, uuid=uuid, sizes=sizes))
 
     def _release(self, rid: str) -> None:
         self._drop_held(rid)

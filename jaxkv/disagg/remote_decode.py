@@ -88,7 +88,11 @@ class DecodeWorker(Worker):
             self._incoming[rid] = self._rebuild(msg)
             self._known.add(rid)
         elif op == "offer":
-            self._pull(rid, msg["uuid"])
+            if rid not in self._incoming and self.engine.has_request(rid):
+                # Its reservation was cancelled (this pool was lost) and it recomputes here.
+                self._drain_offer(rid, msg["uuid"], msg["sizes"])
+            else:
+                self._pull(rid, msg["uuid"])
         elif op == "abort":
             if msg.get("error") is not None and rid in self._incoming:
                 self._fail(rid, msg["error"])
@@ -198,6 +202,26 @@ class DecodeWorker(Worker):
         shape = (1, state.num_layers, heads, state.page_size, 2 * state.head_dim)
         return heads, shardings, wire_shards(shardings[0], shape)
 
+    def _part_shapes(self, size: int):
+        """(values, scales) shapes of an offered part of ``size`` pages, and their shardings."""
+        heads, shardings, _ = self._wire()
+        state = self.engine.state
+        shape = (size, state.num_layers, heads, state.page_size, 2 * state.head_dim)
+        return (jax.ShapeDtypeStruct(shape, state.kv_pages.dtype),
+                None if state.kv_scales is None else
+                jax.ShapeDtypeStruct(shape[:4], jnp.int32)), shardings
+
+    def _drain_offer(self, rid, uuid: int, sizes) -> None:
+        """Pulls an offer no reservation waits for (its request recomputes here) and drops
+        it, so the prefill side's transfer server lets it go."""
+        _log.info("DecodeWorker: draining an offer for request %r, which no reservation "
+                  "waits for", rid)
+        for i, size in enumerate(sizes):
+            shapes, shardings = self._part_shapes(size)
+            self._draining.append(self.peer.start_pull(self._other()["kv_address"], uuid + i,
+                                                       shapes, shardings))
+        self.counters["drained_offers"] += 1
+
     def _pull(self, rid: str, uuid: int) -> None:
         """Starts pulling a request's parts (offered under uuid, uuid + 1, ...)."""
         t, state = self._incoming.get(rid), self.engine.state
@@ -206,15 +230,12 @@ class DecodeWorker(Worker):
         if t.arrival is None or t.pulls is not None:
             raise ValueError(f"DecodeWorker: an offer for request {rid!r}, which has "
                              f"{'no reservation' if t.arrival is None else 'its pulls'}")
-        heads, shardings, _ = self._wire()
+        heads = self._wire()[0]
         k, n = t.arrival.num_shared, -(-t.arrival.num_tokens // state.page_size)
         t.pulls = []
         for i, (part, size) in enumerate(padded_parts(t.arrival.pages[k:n],
                                                       self.hello["sizes"])):
-            shape = (size, state.num_layers, heads, state.page_size, 2 * state.head_dim)
-            shapes = (jax.ShapeDtypeStruct(shape, state.kv_pages.dtype),
-                      None if state.kv_scales is None else
-                      jax.ShapeDtypeStruct(shape[:4], jnp.int32))
+            shapes, shardings = self._part_shapes(size)
             dst = np.full(size, state.num_pages, np.int32)  # out of range: dropped
             dst[:len(part)] = part
             t.pulls.append((self.peer.start_pull(self._other()["kv_address"], uuid + i,

@@ -2,9 +2,10 @@
 /v1/models, /health and /metrics.
 
 Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for
-bad input (naming the field), 429 when ``max_pending`` requests are unfinished, 500 when the
-engine failed a request (the server keeps serving the others). A client that disconnects
-aborts its request, which frees its pages.
+bad input (naming the field; malformed JSON names none), 401 for a missing or wrong API key
+(when keys are configured: /v1/* only), 429 when ``max_pending`` requests are unfinished, 500
+when the engine failed a request (the server keeps serving the others). A client that
+disconnects aborts its request, which frees its pages.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from jaxkv.server.async_engine import AsyncEngine, QueueFullError
+from jaxkv.server.auth import TENANT, RequireKey, Tenants, cache_salt
 from jaxkv.server.metrics import ServerMetrics
-from jaxkv.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from jaxkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    message_dict,
+    validation_message,
+)
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -51,9 +59,12 @@ def _bad_field(message: str) -> str | None:
     return None
 
 
-def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
+def build_app(llm, *, model_name: str, max_pending: int = 256,
+              api_keys: tuple[str, ...] | list[str] = ()) -> FastAPI:
     """The app serving ``llm`` (a `jaxkv.LLM`, whose engine is any `EngineClient`): one engine
-    loop thread for all connections."""
+    loop thread for all connections. With ``api_keys``, /v1/* needs one of them, and each key
+    is a tenant with its own prefix-cache namespace (`jaxkv.server.auth`)."""
+    tenants = Tenants(api_keys)
     engine, tokenizer = llm.engine, llm.model.tokenizer
     metrics = ServerMetrics(model_name)
     counter = itertools.count()
@@ -69,6 +80,8 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
     max_len = engine.max_model_len
     app = FastAPI(title="jaxkv", version="0.1.0")
     app.state.engine = core
+    if tenants.enabled:
+        app.add_middleware(RequireKey, tenants=tenants)
 
     @app.on_event("shutdown")
     def _shutdown():
@@ -84,9 +97,11 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{loc}: {first.get('msg')}", loc or None)
+        return _error(400, *validation_message(exc.errors()[0]))
+
+    @app.exception_handler(FieldError)
+    async def _field_error(_request, exc: FieldError):
+        return _error(400, str(exc), exc.field)
 
     def encode_prompt(prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -96,10 +111,10 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
             return list(tokenizer.encode(prompt))
         return list(prompt)
 
-    async def submit(ids: list[int], sp, request_id: str) -> asyncio.Queue:
+    async def submit(ids: list[int], sp, request_id: str, salt: str | None) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.to_thread(core.add, request_id, ids, sp, loop)
+            return await asyncio.to_thread(core.add, request_id, ids, sp, loop, salt)
         except QueueFullError as e:
             raise APIError(429, str(e)) from e
         except ValueError as e:
@@ -131,6 +146,8 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
             max_tokens = max(1, max_len - prompt_len)
         try:
             return body.sampling_params(max_tokens, logprobs)
+        except FieldError:
+            raise
         except ValueError as e:
             raise APIError(400, str(e), _bad_field(str(e))) from e
 
@@ -161,6 +178,15 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
                                               "bytes": list(token_text(t).encode())}
                                              for t, lp in others]})
         return {"content": content}
+
+    def prompt_logprobs(out) -> list | None:
+        """vLLM's shape: per prompt token, None for the first, then {id: {logprob, rank,
+        decoded_token}} for the token and the k most likely."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if entry is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}
+            for t, lp in entry.items()} for entry in out.prompt_logprobs]
 
     def fresh(out, state):
         """The samples of a DELTA output with something new: a DELTA output lists every
@@ -209,14 +235,18 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def check_model(body):
+    def check(body, http: Request) -> str | None:
+        """Refuses a request for another model (404) or with a field jaxkv does not serve
+        (400); the engine's cache salt: the tenant's namespace and the request's salt."""
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                            f"{model_name!r}", "model")
+        body.check_supported()
+        return cache_salt(http.scope.get(TENANT), body.cache_salt)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        check_model(body)
+        salt = check(body, http)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -224,16 +254,14 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
             raise APIError(400, "prompt must not be empty", "prompt")
         if body.stream and len(prompts) > 1:
             raise APIError(400, "prompt: streaming takes one prompt", "prompt")
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        ids_list = [encode_prompt(p) for p in prompts]
+        ids_list = [body.truncate(encode_prompt(p)) for p in prompts]
         created, base = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         sps = [sampling(body, body.max_tokens, body.logprobs, len(ids)) for ids in ids_list]
         request_ids = [f"{base}-{i}-{next(counter)}" for i in range(len(prompts))]
         queues = []
         try:
             for ids, sp, rid in zip(ids_list, sps, request_ids, strict=True):
-                queues.append(await submit(ids, sp, rid))
+                queues.append(await submit(ids, sp, rid, salt))
         except BaseException:
             for rid in request_ids[:len(queues)]:
                 core.abort(rid)  # the prompts already queued go with the one refused
@@ -273,32 +301,30 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
                 choices.append({"index": p * body.n + c.index, "text": c.text,
                                 "logprobs": completion_logprobs(c),
                                 "finish_reason": c.finish_reason})
+                if body.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs(out)
         return {**head, "choices": choices,
                 "usage": usage(sum(len(i) for i in ids_list), completion,
                                sum(o.num_cached_tokens for o in outs))}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
-        check_model(body)
+        salt = check(body, http)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template", "messages")
+        conv = [message_dict(m, i) for i, m in enumerate(body.messages)]
         try:
-            conv = [{"role": m.role, "content": message_text(m, i)}
-                    for i, m in enumerate(body.messages)]
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from e
-        try:
-            ids = list(tokenizer.apply_chat_template(conv, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False))
+            ids = list(tokenizer.apply_chat_template(conv, tokenize=True, return_dict=False,
+                                                     **body.template_options()))
         except Exception as e:  # noqa: BLE001 - jinja's TemplateError and the template's own
             raise APIError(400, f"messages: the chat template refused them: {e}",
                            "messages") from e
+        ids = body.truncate(ids)
         top = body.top_logprobs or 0
         logprobs = top if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        sp = sampling(body, max_tokens, logprobs, len(ids))
+        sp = sampling(body, body.max_output_tokens, logprobs, len(ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        queue = await submit(ids, sp, request_id)
+        queue = await submit(ids, sp, request_id, salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
@@ -329,7 +355,8 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": chat_logprobs(c, top), "finish_reason": c.finish_reason}
                    for c in out.outputs]
-        return {**head, "choices": choices,
+        extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs(out)}
+        return {**head, "choices": choices, **extra,  # prompt logprobs: vLLM's place for chat
                 "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs),
                                out.num_cached_tokens)}
 
@@ -337,9 +364,9 @@ def build_app(llm, *, model_name: str, max_pending: int = 256) -> FastAPI:
 
 
 def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_pending: int = 256) -> None:
+          max_pending: int = 256, api_keys: tuple[str, ...] | list[str] = ()) -> None:
     """Runs the server until interrupted."""
     import uvicorn
 
-    uvicorn.run(build_app(llm, model_name=model_name, max_pending=max_pending), host=host,
-                port=port, log_level="info")
+    uvicorn.run(build_app(llm, model_name=model_name, max_pending=max_pending,
+                          api_keys=api_keys), host=host, port=port, log_level="info")

@@ -43,9 +43,11 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._queues)
 
-    def add(self, request_id: str, prompt_token_ids, sampling_params, loop) -> asyncio.Queue:
-        """Queues a request (call from a worker thread); raises ValueError for bad input and
-        QueueFullError when ``max_pending`` requests are unfinished."""
+    def add(self, request_id: str, prompt_token_ids, sampling_params, loop,
+            cache_salt: str | None = None) -> asyncio.Queue:
+        """Queues a request (call from a worker thread) in the prefix-cache namespace
+        ``cache_salt``; raises ValueError for bad input and QueueFullError when
+        ``max_pending`` requests are unfinished."""
         queue: asyncio.Queue = asyncio.Queue()
 
         def check():  # before waiting for the lock too: a full server answers at once
@@ -57,7 +59,7 @@ class AsyncEngine:
         with self._lock:
             check()
             self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids,
-                                    sampling_params=sampling_params)
+                                    sampling_params=sampling_params, cache_salt=cache_salt)
             self._queues[request_id] = (loop, queue)
         self._wake.set()
         return queue
