@@ -204,7 +204,8 @@ class HostTieredRadixCache(RadixCache):
                 if self.allocator.num_free < need:
                     break
                 pages = self.allocator.allocate(need)
-                self._transfers.append(Transfer("load", list(n.pages), pages))
+                # (its own lists: an eviction may cut the node's pages before the copy runs)
+                self._transfers.append(Transfer("load", list(n.pages), list(pages)))
                 self._stats["host_loaded_pages"] += need
                 promoted += len(n.key)
                 self._to_device(n, pages)

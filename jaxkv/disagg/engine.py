@@ -33,6 +33,7 @@ move from one engine to the other.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from jaxkv.disagg.connector import Arrival, DecodeConnector, Handoff, PrefillConnector
@@ -43,6 +44,8 @@ from jaxkv.engine.outputs import RequestEntry, build_output
 from jaxkv.engine.request import EngineStats, RequestOutput, RequestStatus
 from jaxkv.runtime.batch import pow2
 from jaxkv.sampling_params import SamplingParams
+
+_log = logging.getLogger("jaxkv.disagg")
 
 POLL_S = 0.0002  # how often `step` looks whether an engine's step in flight has finished
 
@@ -76,6 +79,7 @@ class TransferStats:
     reused_pages: int = 0  # prompt pages the decode side's prefix cache already held
     seconds: float = 0.0  # summed hand-off-to-landing time (waiting for decode room included)
     aborted: int = 0  # requests aborted while in transfer
+    failed: int = 0  # transfers that raised (their requests recomputed on the decode side)
 
 
 class DisaggregatedEngine:
@@ -224,8 +228,11 @@ class DisaggregatedEngine:
             for e in self._first_done():
                 outputs += self._collect(e)
         elif self._moving:  # nothing else to do: wait for the oldest copy
-            for x in self._moving[0].sent:
-                x.payload.wait()
+            try:
+                for x in self._moving[0].sent:
+                    x.payload.wait()
+            except Exception as e:  # noqa: BLE001 - that request recomputes, the rest go on
+                self._transfer_failed(self._moving[0], e)
         self._start_transfers()
         self._land()
         outputs, self._pending = outputs + self._pending, []  # (aborts applied meanwhile)
@@ -250,18 +257,38 @@ class DisaggregatedEngine:
     def _collect(self, engine: Engine) -> list[RequestOutput]:
         resets = engine.state_resets
         outputs = engine.collect(self._flight.pop(engine))
-        lost = engine.state_resets != resets  # a failed step lost this engine's pool
-        if lost:  # what holds pages of the lost pool recomputes on the decode side: hand-offs
-            self._streams.clear()  # not gathered yet, or reservations sharing cached pages
-            for t in [t for t in self._moving if (t.arrival is None) == (engine is self.prefill)]:
-                self._recompute_on_decode(t)
-            engine.radix.clear()  # entries those held kept through the engine's clear
+        if engine.state_resets != resets:  # a failed step lost this engine's pool
+            self._lost(engine)
         if engine is self.prefill:
             self._take_handoffs()
             if self.stream_pages:
                 self._stream()
         self._apply_aborts()
         return outputs
+
+    def _lost(self, engine: Engine) -> None:
+        """``engine``'s KV pool was lost (and rebuilt): what holds pages of it recomputes on
+        the decode side: hand-offs not gathered yet, or reservations sharing cached pages."""
+        self._streams.clear()
+        for t in [t for t in self._moving if (t.arrival is None) == (engine is self.prefill)]:
+            self._recompute_on_decode(t)
+        engine.radix.clear()  # entries those held kept through the engine's clear
+
+    def _transfer_failed(self, t: _Transfer | None, error: Exception) -> None:
+        """A page export, pull, import or a decode-side host copy raised. Policy: the request
+        it was moving (if any) recomputes on the decode side, as after a lost pool (no request
+        is failed: its tokens are all there); an engine whose KV state the failure lost is
+        rebuilt (`Engine.recover`), and what held pages of it recomputes too."""
+        _log.error("DisaggregatedEngine: a page transfer failed; %s: %s",
+                   "its request recomputes on the decode side" if t else "streaming stops",
+                   f"{type(error).__name__}: {error}")
+        _log.debug("the failed transfer", exc_info=error)  # (a kept traceback holds payloads)
+        self.transfers.failed += 1
+        if t is not None and t in self._moving:
+            self._recompute_on_decode(t)
+        for engine in self.engines:
+            if engine not in self._flight and engine.recover():
+                self._lost(engine)
 
     def _drain(self) -> None:
         """Collects every step in flight (before changing what they ran with); the next
@@ -298,8 +325,13 @@ class DisaggregatedEngine:
             first = max(held, (req.num_cached_tokens or 0) // s)
             run = [i for i in range(first, full) if i not in have]
             if run:
-                sent.append(_Sent(run, self.mover.send(self.prefill.state,
-                                                       [req.pages[i] for i in run])))
+                try:
+                    payload = self.mover.send(self.prefill.state, [req.pages[i] for i in run])
+                except Exception as e:  # noqa: BLE001 - the hand-off sends the pages instead
+                    self._streams.pop(req.request_id, None)
+                    self._transfer_failed(None, e)
+                    return
+                sent.append(_Sent(run, payload))
                 self.transfers.streamed_pages += len(run)
 
     def _recompute_on_decode(self, t: _Transfer) -> None:
@@ -307,9 +339,9 @@ class DisaggregatedEngine:
         prefill step, or computed by replaced weights) to wait on the decode engine, which
         recomputes it from its tokens, as after a preemption."""
         self._moving.remove(t)
-        if t.arrival is None:
+        if any(h is t.handoff for h in self.handoffs.handoffs):  # not gathered yet
             self.handoffs.release(t.handoff)
-        else:  # its pages reserved on the decode side, payloads maybe in flight: dropped
+        if t.arrival is not None:  # its decode pages reserved, payloads maybe in flight: dropped
             self.arrivals.cancel(t.arrival)
         for seq in t.handoff.seqs:
             seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
@@ -330,26 +362,37 @@ class DisaggregatedEngine:
             arrival = self.arrivals.reserve(t.handoff)
             if arrival is None:
                 break
-            self.decode.run_cache_copies()  # host-tier copies the reservation queued run first
-            k, n = arrival.num_shared, -(-t.handoff.num_tokens // s)
-            have = {i for x in t.sent for i in x.index}
-            rest = [i for i in range(k, n) if i not in have]
-            if rest:
-                t.sent.append(_Sent(rest, self.mover.send(
-                    self.prefill.state, [t.handoff.pages[i] for i in rest])))
             t.arrival = arrival
+            try:
+                self.decode.run_cache_copies()  # host-tier copies the reservation queued first
+                k, n = arrival.num_shared, -(-t.handoff.num_tokens // s)
+                have = {i for x in t.sent for i in x.index}
+                rest = [i for i in range(k, n) if i not in have]
+                if rest:
+                    t.sent.append(_Sent(rest, self.mover.send(
+                        self.prefill.state, [t.handoff.pages[i] for i in rest])))
+            except Exception as e:  # noqa: BLE001 - that request recomputes, the rest go on
+                self._transfer_failed(t, e)
+                return  # (the list changed; the next step goes on)
             self.handoffs.release(t.handoff)  # the gather is queued before
             self.transfers.reused_pages += k                   # any later prefill program
 
     def _land(self) -> None:
         for t in list(self._moving):
-            if t.arrival is None or not all(x.payload.ready() for x in t.sent):
+            if t not in self._moving:
+                continue  # sent to recompute by a failure just before
+            try:
+                if t.arrival is None or not all(x.payload.ready() for x in t.sent):
+                    continue
+                k, pages = t.arrival.num_shared, t.arrival.pages
+                for x in t.sent:  # (a streamed page the decode side holds already: dropped)
+                    dst = [pages[i] if i >= k else None for i in x.index]
+                    self.decode.write_kv(lambda state, x=x, dst=dst:
+                                         self.mover.receive(state, x.payload, dst))
+            except Exception as e:  # noqa: BLE001 - that request recomputes, the rest go on
+                self._transfer_failed(t, e)
                 continue
-            k, pages = t.arrival.num_shared, t.arrival.pages
-            for x in t.sent:  # (a streamed page the decode side turned out to hold: dropped)
-                dst = [pages[i] if i >= k else None for i in x.index]
-                self.decode.write_kv(lambda state, x=x, dst=dst:
-                                     self.mover.receive(state, x.payload, dst))
+            for x in t.sent:
                 self.transfers.pages += x.payload.num_pages
                 self.transfers.bytes += x.payload.nbytes
             self.arrivals.land(t.arrival)

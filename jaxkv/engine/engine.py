@@ -417,7 +417,18 @@ class Engine:
             entry.error = message
             self.finish_entry(entry, "error", cache=False)  # its KV may be half-written
             outputs.append(build_output(rid, entry))
-        if self.runner.state_lost():
+        self.recover()
+        return outputs
+
+    def recover(self) -> bool:
+        """After a failed device call (a step, or a copy a caller ran, e.g. `jaxkv.disagg`'s
+        transfers): rebuilds a KV state the failure lost (the running requests recompute from
+        their tokens, as after a preemption), drops prefix entries a failed run of host copies
+        left unfilled, and the host tier (a copy to or from it may not have run). Returns
+        whether the state was lost."""
+        lost = self.runner.state_lost()
+        if lost:
+            self._inflight = None  # a loop on the lost state: its tokens are never read
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
             self.radix.clear()
             if self.runner.debug_nan_freed_pages:
@@ -427,11 +438,11 @@ class Engine:
         elif self._cache_unfilled:  # promoted entries whose load never ran: only the failed
             self.radix.clear()      # requests held them, so every such entry goes
         self._cache_unfilled = False
-        if self.runner.host_pool is not None:  # a failed step may have skipped or lost a copy
+        if self.runner.host_pool is not None:
             self.radix.drop_host_tier()
             self.radix.take_transfers()
             self.runner.host_pool.discard()
-        return outputs
+        return lost
 
     def stats(self) -> EngineStats:
         used, cached = self.scheduler.page_usage()

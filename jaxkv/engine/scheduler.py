@@ -210,6 +210,10 @@ class Scheduler:
                 # It fits alone (checked at submission), but the partly matched page it locks
                 # may be the one missing: admit it reusing only whole pages, nothing locked.
                 ok = self._admit(req, budget, out, reuse_partial=False)
+                if not ok and self.radix.clear():
+                    # Still short: the path it shares pins cache pages only an inner node
+                    # holds (evictions take leaves). Nothing runs, so the whole cache goes.
+                    ok = self._admit(req, budget, out, reuse_partial=False)
             if not ok:
                 break
             admitted.append(req.arrival_index)
