@@ -125,3 +125,23 @@ def test_varied_lengths_compile_nothing_new_after_the_first_calls(tiny_model, ti
         for n, m in lengths:
             call(n, m)
     assert compiles.count == 0
+
+
+def test_prompts_sharing_full_pages_compute_them_once(plain_model, tiny_config):
+    """A common prefix (and the prompt of n > 1 samples) is prefilled once: the later
+    sequences read the first one's full pages. Tokens equal each prompt alone."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(4, tiny_config.vocab_size, 40).tolist()
+    prompts = [prefix + rng.integers(4, tiny_config.vocab_size, n).tolist() for n in (5, 9, 1)]
+    prompts.append(prefix[:20])  # shares only the first page (16 tokens)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together, stats = jaxkv.generate_with_stats(plain_model, prompts, sp)
+    alone = [jaxkv.generate(plain_model, [p], sp)[0] for p in prompts]
+    assert together == alone
+    # The 40-token prefix holds 2 full pages of 16: the two longer prompts read them from
+    # the first; the 20-token prompt reads its first page.
+    assert stats.computed_prompt_tokens == sum(map(len, prompts)) - 2 * 32 - 16
+    greedy3 = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+    forks, fork_stats = jaxkv.generate_with_stats(plain_model, [prompts[0]], greedy3)
+    assert fork_stats.computed_prompt_tokens == 45 + 2 * (45 - 32)
+    assert forks == jaxkv.generate_no_cache(plain_model, [prompts[0]], greedy3)

@@ -40,6 +40,8 @@ class _Seq:
     out: list[int] = dataclasses.field(default_factory=list)
     prefilled: int = 0
     done: bool = False
+    own: list[int] = dataclasses.field(default_factory=list)  # pages it allocated
+    shared: int = 0  # prompt tokens whose KV an earlier sequence's pages hold
 
     @property
     def tokens(self) -> list[int]:
@@ -58,6 +60,7 @@ class GenerationStats:
     kv_pages_used: int = 0
     page_size: int = 0
     kv_bytes_per_token: int = 0
+    computed_prompt_tokens: int = 0  # prompt tokens prefilled (shared full pages are not)
     # After each step that sampled: seconds since the call started, tokens generated so far.
     token_times: list[float] = dataclasses.field(default_factory=list)
     token_counts: list[int] = dataclasses.field(default_factory=list)
@@ -93,6 +96,26 @@ def _per_prompt(sampling, n_prompts) -> list[SamplingParams]:
     if len(sampling) != n_prompts:
         raise ValueError(f"sampling has {len(sampling)} entries for {n_prompts} prompts")
     return sampling
+
+
+def _shared_prefixes(seqs: list[_Seq], page_size: int) -> list[tuple[_Seq | None, int]]:
+    """For each sequence, an earlier one whose first k full prompt pages hold the same tokens
+    (the longest such run, at least one prompt token left to compute), and k; (None, 0) if
+    none. Shared prompt pages are full and never written again, so nothing is copied."""
+    seen: dict[tuple, _Seq] = {}
+    out = []
+    for s in seqs:
+        best = (None, 0)
+        for k in range((len(s.prompt) - 1) // page_size, 0, -1):
+            owner = seen.get(tuple(s.prompt[:k * page_size]))
+            if owner is not None:
+                best = (owner, k)
+                break
+        out.append(best)
+        s.shared = best[1] * page_size
+        for k in range(1, len(s.prompt) // page_size + 1):
+            seen.setdefault(tuple(s.prompt[:k * page_size]), s)
+    return out
 
 
 def _decode_loop_batch(seqs: list[_Seq], rows: int, table: PageTable, eos, steps: int
@@ -156,6 +179,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
             seqs.append(_Seq(len(seqs), prompt, sp, request_key(seed, j), []))
+    shares = [] if recompute else _shared_prefixes(seqs, page_size)
     pages_per_seq = [cdiv(len(s.prompt) + s.params.max_tokens, page_size) for s in seqs]
     if exact_shapes:
         rows, width, num_pages = len(seqs), max(pages_per_seq), sum(pages_per_seq)
@@ -163,8 +187,14 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         rows, width = pow2(len(seqs)), max(MIN_WIDTH, pow2(max(pages_per_seq)))
         num_pages = rows * width
     allocator = PageAllocator(num_pages)
+    owners = {}  # slot -> (the earlier sequence whose full prompt pages it reads, pages)
     for s, n in zip(seqs, pages_per_seq, strict=True):
-        s.pages = allocator.allocate(n)
+        owner, k = shares[s.slot] if shares else (None, 0)
+        s.own = allocator.allocate(n - k)
+        s.pages = (owner.pages[:k] if k else []) + s.own
+        s.prefilled = k * page_size  # those tokens' KV: the owner's pages, once it wrote them
+        if k:
+            owners[s.slot] = owner
     state = init_state(cfg, num_pages, page_size, model.dtype, kv_cache_dtype)
     table = PageTable(rows, width, num_pages, page_size)
     eos = cfg.eos_token_ids
@@ -221,7 +251,11 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         pending = list(seqs)
         while pending:
             rows_, finishing, budget = [], {}, token_budget
+            written = {s.slot: s.prefilled for s in seqs}  # by the steps before this one
             for s in list(pending):
+                owner = owners.get(s.slot)
+                if owner is not None and written[owner.slot] < s.shared:
+                    continue  # the owner has not written the pages it shares yet
                 take = len(s.prompt) - s.prefilled
                 take = min(take, prefill_chunk or take)
                 if rows_ and take > budget:
@@ -273,8 +307,9 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     stats.decode_seconds = time.perf_counter() - t1
     stats.generated_tokens = sum(len(s.out) for s in seqs)
     for s in seqs:
-        allocator.free(s.pages)
+        allocator.free(s.own)
     allocator.check()
+    stats.computed_prompt_tokens = sum(len(s.prompt) - s.shared for s in seqs)
     return [s.out for s in seqs], stats
 
 
