@@ -28,8 +28,10 @@ def add_arguments(parser) -> None:
 
 
 def time_to_tokens(stats, counts):
-    """Seconds from the call's start until each requested token count was reached."""
-    return {n: stats.token_times[stats.token_counts.index(n)] for n in counts}
+    """Seconds from the call's start until each requested token count was reached (a decode
+    loop returns several tokens per read: the read that brought the n-th)."""
+    return {n: next(t for t, c in zip(stats.token_times, stats.token_counts, strict=True)
+                    if c >= n) for n in counts}
 
 
 def run(args) -> dict:
@@ -63,8 +65,8 @@ def run(args) -> dict:
         print(f"{n:>6} {a:>12.1f} {b:>15.2f} {a / b:>7.1f}x")
 
     # Steady-state decode against the bandwidth bound: every step reads all weights once.
-    steps = cstats.token_times
-    per_token = (steps[-1] - steps[0]) / (len(steps) - 1)
+    times, counts = cstats.token_times, cstats.token_counts
+    per_token = (times[-1] - times[0]) / (counts[-1] - counts[0])
     bw = common.memory_bandwidth()
     weight_bytes = config.num_params() * 4
     bound = bw / weight_bytes
