@@ -68,6 +68,19 @@ def test_streamed_completion_equals_the_whole_one(server):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): every chunk carries
+    the usage so far, growing to the final usage chunk's."""
+    chunks = list(server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert len(chunks) >= 2 and all(c.usage is not None for c in chunks)
+    assert counts == sorted(counts) and counts[0] > 0
+    assert counts[-2] == counts[-1] == chunks[-1].usage.completion_tokens > 0
+    assert not chunks[-1].choices  # the final usage chunk
+
+
 def test_chat_streaming_and_not(server):
     messages = [{"role": "system", "content": "You write Python."},
                 {"role": "user", "content": "Write a function that adds two numbers."}]

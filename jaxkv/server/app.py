@@ -151,6 +151,14 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
         except ValueError as e:
             raise APIError(400, str(e), _bad_field(str(e))) from e
 
+    def running_usage(body, payload: dict, prompt_tokens: int, state: dict) -> dict:
+        """A streamed chunk, with the usage so far when the client asked for it in every
+        chunk (vLLM's ``stream_options.continuous_usage_stats``)."""
+        options = body.stream_options
+        if options is not None and options.continuous_usage_stats:
+            payload["usage"] = usage(prompt_tokens, state["completion"], state["cached"])
+        return payload
+
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
@@ -275,9 +283,9 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
                 state["cached"] = out.num_cached_tokens
                 for c in fresh(out, state):
                     state["completion"] += len(c.token_ids)
-                    yield {**head, "choices": [{"index": c.index, "text": c.text,
-                                                "logprobs": completion_logprobs(c),
-                                                "finish_reason": c.finish_reason}]}
+                    yield running_usage(body, {**head, "choices": [{
+                        "index": c.index, "text": c.text, "logprobs": completion_logprobs(c),
+                        "finish_reason": c.finish_reason}]}, len(ids_list[0]), state)
 
             def final_usage():
                 if not (body.stream_options and body.stream_options.include_usage):
@@ -339,9 +347,9 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
                     if c.index not in state["started"]:
                         state["started"].add(c.index)
                         delta["role"] = "assistant"
-                    yield {**chunk_head, "choices": [{"index": c.index, "delta": delta,
-                                                      "logprobs": chat_logprobs(c, top),
-                                                      "finish_reason": c.finish_reason}]}
+                    yield running_usage(body, {**chunk_head, "choices": [{
+                        "index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top),
+                        "finish_reason": c.finish_reason}]}, len(ids), state)
 
             def final_usage():
                 if not (body.stream_options and body.stream_options.include_usage):
