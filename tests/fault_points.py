@@ -30,10 +30,13 @@ not deleted for "pull": `jax.Array.is_ready()` on a deleted array crashes the pr
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import weakref
 
 import jax
+
+from jaxkv.engine import host_tier
 
 MODES = {
     "step": ("raise", "consume", "late"),
@@ -51,6 +54,21 @@ KINDS = tuple(MODES)
 
 class InjectedFault(RuntimeError):
     pass
+
+
+@contextlib.contextmanager
+def _failing(module, name: str, error: Exception):
+    """``module.name`` raises ``error`` while the block runs."""
+    real = getattr(module, name)
+
+    def fail(*_args, **_kwargs):
+        raise error
+
+    setattr(module, name, fail)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
 
 
 def _delete(tree) -> None:
@@ -135,13 +153,20 @@ class FaultPoints:
         lost = []  # a "late" save: the flush that would land it fails
 
         def run(state, transfers):
-            for kind, group in itertools.groupby(transfers, key=lambda t: t[0]):
+            groups = [(k, list(g)) for k, g in itertools.groupby(transfers, key=lambda t: t[0])]
+            for i, (kind, group) in enumerate(groups):
                 mode = self.hit(f"{side}:host_{kind}")
                 if mode in ("raise", "consume"):
                     if mode == "consume":
                         _delete(state)
-                    raise self.fault()
-                state = real_run(state, list(group))
+                    # The device call inside the pool fails, so the pool sees its own failure
+                    # (with the copies after it still queued), as a real one would.
+                    rest = [t for _, g in groups[i:] for t in g]
+                    with _failing(host_tier, "gather_pages" if kind == "save" else "load_pages",
+                                  self.fault()):
+                        real_run(state, rest)
+                    raise AssertionError("the injected copy did not raise")
+                state = real_run(state, group)
                 if mode == "late" and kind == "load":
                     _delete(state)
                 elif mode == "late":

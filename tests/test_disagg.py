@@ -457,19 +457,25 @@ class _Gated:
         return self.gate["open"] and self.read.ready()
 
 
+def gated(side: Engine) -> dict:
+    """Makes ``side``'s dispatched steps look unfinished until ``gate["open"]`` is set."""
+    gate, dispatch = {"open": False}, side.dispatch
+
+    def slow():
+        d = dispatch()
+        return d if d.read is None else dataclasses.replace(d, read=_Gated(d.read, gate))
+
+    side.dispatch = slow
+    return gate
+
+
 def test_decode_steps_do_not_wait_for_a_prefill_step_in_flight(plain_model):
     engine = disaggregated(plain_model)
     engine.add_request("c", prompt_token_ids=list(range(4, 12)), sampling_params=SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True))
     while engine.location("c") != "decode":
         engine.step()
-    gate, dispatch = {"open": False}, engine.prefill.dispatch
-
-    def slow():  # the prefill engine's steps look unfinished while the gate is shut
-        d = dispatch()
-        return d if d.read is None else dataclasses.replace(d, read=_Gated(d.read, gate))
-
-    engine.prefill.dispatch = slow
+    gate = gated(engine.prefill)  # its steps look unfinished while the gate is shut
     engine.add_request("a", prompt_token_ids=list(range(20, 60)),
                        sampling_params=SamplingParams(temperature=0, max_tokens=3,
                                                       ignore_eos=True))
@@ -518,13 +524,7 @@ def test_an_abort_deferred_by_a_step_in_flight_spares_a_new_request_with_the_sam
     engine.add_request("x", prompt_token_ids=list(range(4, 12)), sampling_params=greedy)
     while engine.location("x") != "decode":
         engine.step()
-    gate, dispatch = {"open": False}, engine.decode.dispatch
-
-    def slow():  # the decode engine's steps look unfinished while the gate is shut
-        d = dispatch()
-        return d if d.read is None else dataclasses.replace(d, read=_Gated(d.read, gate))
-
-    engine.decode.dispatch = slow
+    gate = gated(engine.decode)  # its steps look unfinished while the gate is shut
     engine.add_request("busy", prompt_token_ids=list(range(20, 50)),
                        sampling_params=SamplingParams(temperature=0, max_tokens=2))
     engine.step()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxkv import Engine, SamplingParams
-from jaxkv.engine.scheduler import SchedulerOutput
+from jaxkv.engine.plan import SchedulerOutput
 from jaxkv.runtime.page_copy import fill_pages
 
 # One engine shape for every example, so all examples share compiled programs.

@@ -127,21 +127,28 @@ def _turns_retrying(engine, turns=3, convs=6):
     return outs, errors
 
 
-def test_a_failed_host_copy_leaves_no_entry_on_unfilled_pages(plain_model):
-    """A run of queued copies that fails before its load ran (a save raised) must not leave
-    the promoted entries in the cache: their pages were never filled."""
+def test_a_failed_host_copy_leaves_no_entry_on_unfilled_pages(plain_model, monkeypatch):
+    """A run of queued copies whose save raises (the page gather runs out of memory) before
+    its load ran must not leave the promoted entries in the cache: their pages were never
+    filled."""
+    from jaxkv.engine import host_tier
+
     on = Engine(plain_model, host_kv_cache_bytes=2**20, **SHAPE)
-    pool, failed = on.runner.host_pool, []
-    real_run = pool.run
+    pool, failed, kinds = on.runner.host_pool, [], []
+    real_run, real_gather = pool.run, host_tier.gather_pages
 
     def run(state, transfers):
-        kinds = [t[0] for t in transfers]
-        if not failed and "save" in kinds and "load" in kinds[kinds.index("save"):]:
-            failed.append(kinds)
-            raise InjectedFault("injected: a page gather ran out of memory")
+        kinds[:] = [t[0] for t in transfers]
         return real_run(state, transfers)
 
+    def gather(state, pages):
+        if not failed and "save" in kinds and "load" in kinds[kinds.index("save"):]:
+            failed.append(list(kinds))
+            raise InjectedFault("injected: a page gather ran out of memory")
+        return real_gather(state, pages)
+
     pool.run = run
+    monkeypatch.setattr(host_tier, "gather_pages", gather)
     got, errors = _turns_retrying(on)
     want, _ = _turns_retrying(Engine(plain_model, **SHAPE))
     assert failed and errors == 1  # the failing turn, then its retry went through

@@ -27,9 +27,10 @@ RANK = {
 }
 HOST_ONLY = ("jaxkv.config", "jaxkv.cli_settings", "jaxkv.cache.allocator", "jaxkv.cache.prefix",
              "jaxkv.cache.radix", "jaxkv.cache.host_radix", "jaxkv.cache.memory",
-             "jaxkv.engine.scheduler", "jaxkv.engine.request", "jaxkv.engine.connector",
+             "jaxkv.engine.scheduler", "jaxkv.engine.plan", "jaxkv.engine.request",
+             "jaxkv.engine.connector",
              "jaxkv.disagg.connector", "jaxkv.sampling_params")
-MAX_LINES = 500  # the target is ~450 (docs/architecture.md); this is where a test says no
+MAX_LINES = 450  # the target (docs/architecture.md): split a file by responsibility past it
 
 
 def _layer(module: str) -> str | None:

@@ -38,7 +38,7 @@ import time
 
 from jaxkv.disagg.connector import Arrival, DecodeConnector, Handoff, PrefillConnector
 from jaxkv.disagg.kv_transfer import PageMover
-from jaxkv.disagg.transport import InFlight, PageTransport
+from jaxkv.disagg.transport import InFlight, PageTransport, TransferStats
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.outputs import RequestEntry, build_output
 from jaxkv.engine.request import EngineStats, RequestOutput, RequestStatus
@@ -66,20 +66,6 @@ class _Transfer:
     sent: list[_Sent]  # runs streamed while it prefilled, then the rest at the reservation
     arrival: Arrival | None = None  # set once the decode side reserved pages
     started: float = 0.0
-
-
-@dataclasses.dataclass
-class TransferStats:
-    """What moved from the prefill pool to the decode pool since the engine started."""
-
-    requests: int = 0  # requests handed off and landed
-    pages: int = 0  # pages copied
-    streamed_pages: int = 0  # of those, sent while their prompt was still prefilling
-    bytes: int = 0  # bytes of those pages (scales included)
-    reused_pages: int = 0  # prompt pages the decode side's prefix cache already held
-    seconds: float = 0.0  # summed hand-off-to-landing time (waiting for decode room included)
-    aborted: int = 0  # requests aborted while in transfer
-    failed: int = 0  # transfers that raised (their requests recomputed on the decode side)
 
 
 class DisaggregatedEngine:

@@ -25,6 +25,20 @@ from jaxkv.disagg.kv_transfer import PageMover, export_pages, import_pages
 from jaxkv.kv import PagedKVState
 
 
+@dataclasses.dataclass
+class TransferStats:
+    """What moved from the prefill pool to the decode pool since the engine started."""
+
+    requests: int = 0  # requests handed off and landed
+    pages: int = 0  # pages copied
+    streamed_pages: int = 0  # of those, sent while their prompt was still prefilling
+    bytes: int = 0  # bytes of those pages (scales included)
+    reused_pages: int = 0  # prompt pages the decode side's prefix cache already held
+    seconds: float = 0.0  # summed hand-off-to-landing time (waiting for decode room included)
+    aborted: int = 0  # requests aborted while in transfer
+    failed: int = 0  # transfers that raised (their requests recomputed on the decode side)
+
+
 class InFlight(Protocol):
     """A payload on its way: how many pages and bytes it carries, and whether it arrived."""
 

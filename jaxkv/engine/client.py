@@ -11,9 +11,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from jaxkv.engine.plan import SchedulerOutput
     from jaxkv.engine.request import EngineStats, RequestOutput
     from jaxkv.engine.runner import TokenRead
-    from jaxkv.engine.scheduler import SchedulerOutput
     from jaxkv.model.pretrained import Model
     from jaxkv.sampling_params import SamplingParams
 

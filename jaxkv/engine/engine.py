@@ -32,6 +32,7 @@ from jaxkv.config import EngineConfig, field_sections, unknown_setting
 from jaxkv.engine import intake, launch, weights
 from jaxkv.engine.client import Dispatched
 from jaxkv.engine.connector import SchedulerConnector
+from jaxkv.engine.host_tier import tier_stats
 from jaxkv.engine.outputs import RequestEntry, build_output
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.engine.runner import LoopRun, ModelRunner
@@ -117,7 +118,6 @@ class Engine:
         self._num_added = self._prompt_tokens = 0
         self._inflight: LoopRun | None = None  # a loop dispatched ahead, its tokens unread
         self.state_resets = 0  # KV states rebuilt after a failed step lost one
-        self._cache_unfilled = False  # a failed run of host copies skipped a load
         self._served_versions = {self.scheduler.weight_version}
 
     # The device side, for callers that drive programs themselves (tests, benchmarks).
@@ -307,19 +307,9 @@ class Engine:
         return outputs
 
     def run_cache_copies(self) -> None:
-        """Runs the copies the host tier queued (before anything reads or reuses the pages).
-
-        A run of copies is not atomic: if one raises, the loads after it never filled the
-        pages that their promoted entries already point at, so the failure handling
-        (`_fail`) drops the device tier's entries too."""
-        if self.runner.host_pool is None:
-            return
-        moves = self.radix.take_transfers()
-        try:
-            self.runner.run_host_copies(moves)
-        except Exception:
-            self._cache_unfilled = any(m[0] == "load" for m in moves)
-            raise
+        """Runs the copies the host tier queued (before anything reads or reuses the pages)."""
+        if self.runner.host_pool is not None:
+            self.runner.run_host_copies(self.radix.take_transfers())
 
     def write_kv(self, update) -> None:
         """Replaces the KV state by ``update(state)`` (the state is donated): how pages copied
@@ -357,9 +347,8 @@ class Engine:
         (`CompletionOutput.weight_versions`; a decode loop dispatched before the update
         sampled with the old weights), and prefix-cache entries are keyed by the version
         their KV was computed with, so no request reuses KV of other weights (in either
-        tier; old entries age out by LRU). A version names one set of weights, so the
-        current one or any served before is refused (a trainer's step counter starting at
-        0 would otherwise serve new weights with the initial weights' cached KV).
+        tier; old entries age out by LRU). A version names one set of weights: the current
+        one or any served before is refused (else their cached KV would hit).
 
         ``in_flight="restart"``: running requests keep the tokens already returned and
         recompute their KV (prompt + those tokens) with the new weights, as after a
@@ -426,7 +415,7 @@ class Engine:
         their tokens, as after a preemption), drops prefix entries a failed run of host copies
         left unfilled, and the host tier (a copy to or from it may not have run). Returns
         whether the state was lost."""
-        lost = self.runner.state_lost()
+        lost, host = self.runner.state_lost(), self.runner.host_pool
         if lost:
             self._inflight = None  # a loop on the lost state: its tokens are never read
             self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
@@ -435,13 +424,12 @@ class Engine:
                 self.allocator.drain_freed()  # the new state starts zeroed
             self.runner.state = self.runner.new_state()
             self.state_resets += 1  # (a DisaggregatedEngine's hand-offs lost their KV too)
-        elif self._cache_unfilled:  # promoted entries whose load never ran: only the failed
-            self.radix.clear()      # requests held them, so every such entry goes
-        self._cache_unfilled = False
-        if self.runner.host_pool is not None:
+        elif host is not None and host.loads_skipped:  # entries promoted for loads that never
+            self.radix.clear()  # ran: only the failed requests held them, so every such goes
+        if host is not None:
             self.radix.drop_host_tier()
             self.radix.take_transfers()
-            self.runner.host_pool.discard()
+            host.discard()
         return lost
 
     def stats(self) -> EngineStats:
@@ -453,18 +441,7 @@ class Engine:
             generated_tokens=c.generated_tokens, preemptions=c.preemptions,
             kv_pages_total=self.num_pages, kv_pages_used=used, kv_pages_cached=cached,
             kv_pages_free=self.allocator.num_free, steps=self.runner.num_steps,
-            **self._host_stats())
-
-    def _host_stats(self) -> dict:
-        r = self.radix.stats()
-        out = dict(device_hit_tokens=r["hit_tokens"] - r["host_hit_tokens"])
-        host = self.runner.host_pool
-        if host is not None:
-            out.update(host_hit_tokens=r["host_hit_tokens"],
-                       host_kv_pages=self.radix.host.num_used,
-                       host_kv_bytes=self.radix.host.num_used * host.page_bytes,
-                       host_kv_pages_total=host.num_slots)
-        return out
+            **tier_stats(self.radix, self.runner.host_pool))
 
     def check(self) -> None:
         """Asserts the host invariants: every page's refcount equals its holders (running

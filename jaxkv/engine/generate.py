@@ -20,7 +20,14 @@ from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.processors import has_processors
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, check_bannable, request_key
-from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, default_decode_steps, make_steps
+from jaxkv.runtime.steps import (
+    MAX_STOP_IDS,
+    DecodeLoopBatch,
+    LoopRow,
+    decode_loop_batch,
+    default_decode_steps,
+    make_steps,
+)
 from jaxkv.sampling_params import SamplingParams
 from pallas_kernels.quant import storage_dtype
 
@@ -41,7 +48,8 @@ class _Seq:
     prefilled: int = 0
     done: bool = False
     own: list[int] = dataclasses.field(default_factory=list)  # pages it allocated
-    shared: int = 0  # prompt tokens whose KV an earlier sequence's pages hold
+    owner: _Seq | None = None  # an earlier sequence whose first prompt pages it reads
+    shared: int = 0  # prompt tokens whose KV those pages hold
 
     @property
     def tokens(self) -> list[int]:
@@ -98,52 +106,29 @@ def _per_prompt(sampling, n_prompts) -> list[SamplingParams]:
     return sampling
 
 
-def _shared_prefixes(seqs: list[_Seq], page_size: int) -> list[tuple[_Seq | None, int]]:
-    """For each sequence, an earlier one whose first k full prompt pages hold the same tokens
-    (the longest such run, at least one prompt token left to compute), and k; (None, 0) if
-    none. Shared prompt pages are full and never written again, so nothing is copied."""
+def _share_prefixes(seqs: list[_Seq], page_size: int) -> None:
+    """Points each sequence at an earlier one whose first full prompt pages hold the same
+    tokens (the longest such run that leaves a prompt token to compute): ``owner`` and
+    ``shared`` tokens. Shared prompt pages are full and never written again: nothing copies."""
     seen: dict[tuple, _Seq] = {}
-    out = []
     for s in seqs:
-        best = (None, 0)
         for k in range((len(s.prompt) - 1) // page_size, 0, -1):
             owner = seen.get(tuple(s.prompt[:k * page_size]))
             if owner is not None:
-                best = (owner, k)
+                s.owner, s.shared = owner, k * page_size
                 break
-        out.append(best)
-        s.shared = best[1] * page_size
         for k in range(1, len(s.prompt) // page_size + 1):
             seen.setdefault(tuple(s.prompt[:k * page_size]), s)
-    return out
 
 
-def _decode_loop_batch(seqs: list[_Seq], rows: int, table: PageTable, eos, steps: int
-                       ) -> DecodeLoopBatch:
+def _loop_batch(seqs: list[_Seq], table: PageTable, eos, steps: int) -> DecodeLoopBatch:
     """The decode loop's inputs for every live sequence (row = slot); the others idle."""
-    tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-    live, limit = np.zeros(rows, bool), np.zeros(rows, np.int32)
-    generated, min_tokens = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-    max_tokens = np.ones(rows, np.int32)
-    stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
-    keys = np.zeros((rows, 2), np.uint32)
-    temperature, top_k = np.zeros(rows, np.float32), np.zeros(rows, np.int32)
-    top_p = np.ones(rows, np.float32)
-    for s in seqs:
-        sp, i = s.params, s.slot
-        if s.done:
-            continue
-        table.update(i, s.pages, 0, s.slot)
-        tokens[i], positions[i], live[i], limit[i] = s.out[-1], len(s.tokens) - 1, True, steps
-        generated[i], min_tokens[i], max_tokens[i] = len(s.out), sp.min_tokens, sp.max_tokens
-        ids = sp.stop_ids(eos)
-        stop_ids[i, :len(ids)] = ids
-        keys[i], temperature[i], top_k[i], top_p[i] = s.key, sp.temperature, sp.top_k, sp.top_p
-    return DecodeLoopBatch(
-        tokens=tokens, positions=positions, page_table=table.table.copy(), live=live,
-        limit=limit, generated=generated, min_tokens=min_tokens, max_tokens=max_tokens,
-        stop_ids=stop_ids, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p,
-        num_steps=np.int32(steps))
+    live = [s for s in seqs if not s.done]
+    for s in live:
+        table.update(s.slot, s.pages, 0, s.slot)
+    return decode_loop_batch([LoopRow(s.slot, s.out[-1], len(s.tokens) - 1, steps, len(s.out),
+                                      s.params, s.key) for s in live],
+                             table.table.copy(), eos, steps)
 
 
 def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int = 16,
@@ -179,7 +164,8 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         seed = i if sp.seed is None else sp.seed
         for j in range(sp.n):
             seqs.append(_Seq(len(seqs), prompt, sp, request_key(seed, j), []))
-    shares = [] if recompute else _shared_prefixes(seqs, page_size)
+    if not recompute:
+        _share_prefixes(seqs, page_size)
     pages_per_seq = [cdiv(len(s.prompt) + s.params.max_tokens, page_size) for s in seqs]
     if exact_shapes:
         rows, width, num_pages = len(seqs), max(pages_per_seq), sum(pages_per_seq)
@@ -187,14 +173,11 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         rows, width = pow2(len(seqs)), max(MIN_WIDTH, pow2(max(pages_per_seq)))
         num_pages = rows * width
     allocator = PageAllocator(num_pages)
-    owners = {}  # slot -> (the earlier sequence whose full prompt pages it reads, pages)
     for s, n in zip(seqs, pages_per_seq, strict=True):
-        owner, k = shares[s.slot] if shares else (None, 0)
+        k = s.shared // page_size
         s.own = allocator.allocate(n - k)
-        s.pages = (owner.pages[:k] if k else []) + s.own
-        s.prefilled = k * page_size  # those tokens' KV: the owner's pages, once it wrote them
-        if k:
-            owners[s.slot] = owner
+        s.pages = (s.owner.pages[:k] if k else []) + s.own
+        s.prefilled = s.shared  # those tokens' KV: the owner's pages, once it wrote them
     state = init_state(cfg, num_pages, page_size, model.dtype, kv_cache_dtype)
     table = PageTable(rows, width, num_pages, page_size)
     eos = cfg.eos_token_ids
@@ -253,8 +236,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
             rows_, finishing, budget = [], {}, token_budget
             written = {s.slot: s.prefilled for s in seqs}  # by the steps before this one
             for s in list(pending):
-                owner = owners.get(s.slot)
-                if owner is not None and written[owner.slot] < s.shared:
+                if s.owner is not None and written[s.owner.slot] < s.shared:
                     continue  # the owner has not written the pages it shares yet
                 take = len(s.prompt) - s.prefilled
                 take = min(take, prefill_chunk or take)
@@ -275,7 +257,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
         # Decode on device, loop after loop: each is dispatched from the one before (its
         # pending tokens and positions stay on the device) before that one's tokens are read.
         if any(not s.done for s in seqs):
-            loop = _decode_loop_batch(seqs, rows, table, eos, loop_steps)
+            loop = _loop_batch(seqs, table, eos, loop_steps)
             out, after, state = steps.decode_loop(model.params, state, loop)
             while True:
                 following = None

@@ -44,6 +44,8 @@ class HostKVPool:
                                                    else self.scales[0].nbytes)
         self._pending: list[tuple[object, list[int]]] = []  # saves not yet in the slots
         self.saved_pages = self.loaded_pages = 0
+        # A run that raised with loads queued: pages promoted entries point at may be unfilled.
+        self.loads_skipped = False
 
     @property
     def num_slots(self) -> int:
@@ -51,7 +53,15 @@ class HostKVPool:
 
     def run(self, state, transfers):
         """Runs ``transfers`` (`Transfer`s: ("save", pages, slots) / ("load", slots, pages), in
-        order) against ``state``; returns the new state (loads donate it)."""
+        order) against ``state``; returns the new state (loads donate it). A run is not
+        atomic: if a copy raises, `loads_skipped` says whether loads were queued."""
+        try:
+            return self._run(state, transfers)
+        except Exception:
+            self.loads_skipped = any(t[0] == "load" for t in transfers)
+            raise
+
+    def _run(self, state, transfers):
         for kind, group in itertools.groupby(transfers, key=lambda t: t[0]):
             pairs = [p for _, src, dst in group for p in zip(src, dst, strict=True)]
             if kind == "save":  # a slot saved twice in a row (freed, then reused): the last wins
@@ -76,6 +86,8 @@ class HostKVPool:
     def discard(self) -> None:
         """Forgets saves in flight (the device state they read was lost)."""
         self._pending = []
+        self.loads_skipped = False
+
 
     def _save(self, state, part) -> None:
         pairs, n = part
@@ -99,3 +111,15 @@ class HostKVPool:
         scales = None if self.scales is None else self.scales[take]
         self.loaded_pages += len(pairs)
         return load_pages(state, pages, self.values[take], scales)
+
+
+def tier_stats(radix, pool: HostKVPool | None) -> dict:
+    """The `EngineStats` fields of the prefix cache's tiers: device hits, and with a host
+    pool its hits, pages and bytes."""
+    r = radix.stats()
+    out = dict(device_hit_tokens=r["hit_tokens"] - r["host_hit_tokens"])
+    if pool is not None:
+        out.update(host_hit_tokens=r["host_hit_tokens"], host_kv_pages=radix.host.num_used,
+                   host_kv_bytes=radix.host.num_used * pool.page_bytes,
+                   host_kv_pages_total=pool.num_slots)
+    return out

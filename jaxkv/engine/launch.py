@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxkv.engine.plan import SchedulerOutput
 from jaxkv.engine.request import RequestStatus
 from jaxkv.engine.runner import LoopRun, TokenRead
-from jaxkv.engine.scheduler import SchedulerOutput
 from jaxkv.runtime.processors import has_processors
 from jaxkv.runtime.steps import MAX_STOP_IDS
 

@@ -31,14 +31,20 @@ from jaxkv.config import EngineConfig, cdiv
 from jaxkv.engine import logprobs
 from jaxkv.engine import warmup as compile_ahead
 from jaxkv.engine.host_tier import HostKVPool
-from jaxkv.engine.scheduler import ScheduledRow, SchedulerOutput
+from jaxkv.engine.plan import ScheduledRow, SchedulerOutput
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import build_processors, has_processors, sample_processed
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample, token_logprobs
-from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, default_decode_steps, make_steps
+from jaxkv.runtime.steps import (
+    DecodeLoopBatch,
+    LoopRow,
+    decode_loop_batch,
+    default_decode_steps,
+    make_steps,
+)
 from jaxkv.sampling_params import MAX_LOGPROBS
 from jaxkv.sharding import commit, shard, shard_state
 from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
@@ -242,30 +248,15 @@ class ModelRunner:
         """Dispatches up to ``n`` decode steps of the plan's decode rows on device; row i may
         sample ``limits[i]`` tokens (its pages are reserved for them)."""
         rows = plan.decode_rows
-        width = fit(len(rows), self.row_buckets)
-        keys, arrays = self.sampling([(i, r.samples[0]) for i, r in enumerate(rows)], width)
-        tokens = np.zeros(width, np.int32)
-        positions = np.zeros(width, np.int32)
-        live = np.zeros(width, bool)
-        limit, generated = np.zeros(width, np.int32), np.zeros(width, np.int32)
-        min_tokens, max_tokens = np.zeros(width, np.int32), np.ones(width, np.int32)
-        stop_ids = np.full((width, MAX_STOP_IDS), -1, np.int32)
-        table = np.zeros((width, self.max_pages_per_seq), np.int32)
+        table = np.zeros((fit(len(rows), self.row_buckets), self.max_pages_per_seq), np.int32)
+        live = []
         for i, r in enumerate(rows):
             seq = r.request
-            sp = seq.sampling_params
             self.page_table.update(r.slot, seq.pages, r.start, r.owner)
             table[i] = self.page_table.table[r.slot]
-            tokens[i], positions[i], live[i], limit[i] = r.tokens[0], r.start, True, limits[i]
-            generated[i] = seq.num_output_tokens
-            min_tokens[i], max_tokens[i] = sp.min_tokens, sp.max_tokens
-            ids = self.stop_ids(seq)
-            stop_ids[i, :len(ids)] = ids
-        loop = DecodeLoopBatch(
-            tokens=tokens, positions=positions, page_table=table, live=live, limit=limit,
-            generated=generated, min_tokens=min_tokens, max_tokens=max_tokens,
-            stop_ids=stop_ids, keys=keys, temperature=arrays.temperature, top_k=arrays.top_k,
-            top_p=arrays.top_p, num_steps=np.int32(n))
+            live.append(LoopRow(i, r.tokens[0], r.start, limits[i], seq.num_output_tokens,
+                                seq.sampling_params, seq.key))
+        loop = decode_loop_batch(live, table, self.model.config.eos_token_ids, n)
         return self._run_loop(plan, loop, [r.start for r in rows], limits,
                               [r.request.num_output_tokens for r in rows], table, version)
 

@@ -38,56 +38,17 @@ step that preempted admits nothing, so a victim is not re-admitted at once.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Sequence
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.config import cdiv
 from jaxkv.engine.connector import NullConnector, SchedulerConnector
+from jaxkv.engine.plan import ScheduledRow, SchedulerCounters, SchedulerOutput
 from jaxkv.engine.request import Request, RequestStatus, cache_namespace
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
 MAX_SKIPS = 16  # steps that admit a later arrival ahead of a waiting sequence, before it goes first
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledRow:
-    """One sequence's part of a step; has the fields of `jaxkv.runtime.batch.Row`."""
-
-    slot: int
-    tokens: tuple[int, ...]  # new tokens: a prompt chunk, or the last sampled token
-    start: int  # position of tokens[0] (tokens already cached)
-    pages: tuple[int, ...]  # the sequence's pages, enough for start + len(tokens)
-    request: Request
-    samples: tuple[Request, ...] = ()  # sequences sampling from this row's last logits
-
-    @property
-    def owner(self) -> tuple[Request, int]:
-        """Who holds the row's pages since it last got them (see `jaxkv.runtime.batch.Row`)."""
-        return self.request, self.request.num_preemptions
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """The plan of one step: rows to run, and page copies to make on device before them."""
-
-    decode_rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
-    prefill_rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
-    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
-    preempted: list[Request] = dataclasses.field(default_factory=list)
-
-    @property
-    def rows(self) -> list[ScheduledRow]:
-        return self.decode_rows + self.prefill_rows
-
-
-@dataclasses.dataclass
-class SchedulerCounters:
-    cached_prompt_tokens: int = 0
-    computed_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
 
 
 class Scheduler:

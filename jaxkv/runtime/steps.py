@@ -22,10 +22,12 @@ The NNX graphdef is split from the params before jit: the params are an ordinary
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jaxkv.attention import check_attention_impl, paged_attention
@@ -56,6 +58,44 @@ class DecodeLoopBatch:
     top_k: jax.Array  # i32[R]
     top_p: jax.Array  # f32[R]
     num_steps: jax.Array  # i32[]  at most N (the tokens array's rows)
+
+
+class LoopRow(NamedTuple):
+    """One live row of a decode loop: its pending token and what bounds its sampling."""
+
+    index: int  # its row in the batch
+    token: int  # the pending token (sampled, its K/V not yet written)
+    position: int
+    limit: int  # tokens it may sample in this loop
+    generated: int  # output tokens so far, the pending one included
+    params: object  # its SamplingParams
+    key: np.ndarray  # u32[2]
+
+
+def decode_loop_batch(rows: Sequence[LoopRow], table: np.ndarray, eos_token_ids,
+                      num_steps: int) -> DecodeLoopBatch:
+    """The inputs of `decode_loop` for ``rows`` over page table ``table`` (i32[R, W], row i
+    for row index i); rows not named idle."""
+    r = table.shape[0]
+    tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    live, limit, generated = np.zeros(r, bool), np.zeros(r, np.int32), np.zeros(r, np.int32)
+    min_tokens, max_tokens = np.zeros(r, np.int32), np.ones(r, np.int32)
+    stop_ids = np.full((r, MAX_STOP_IDS), -1, np.int32)
+    keys = np.zeros((r, 2), np.uint32)
+    temperature, top_k = np.zeros(r, np.float32), np.zeros(r, np.int32)
+    top_p = np.ones(r, np.float32)
+    for row in rows:
+        i, sp = row.index, row.params
+        tokens[i], positions[i], live[i], limit[i] = row.token, row.position, True, row.limit
+        generated[i], min_tokens[i], max_tokens[i] = row.generated, sp.min_tokens, sp.max_tokens
+        ids = sp.stop_ids(eos_token_ids)
+        stop_ids[i, :len(ids)] = ids
+        keys[i], temperature[i], top_k[i], top_p[i] = row.key, sp.temperature, sp.top_k, sp.top_p
+    return DecodeLoopBatch(
+        tokens=tokens, positions=positions, page_table=table, live=live, limit=limit,
+        generated=generated, min_tokens=min_tokens, max_tokens=max_tokens, stop_ids=stop_ids,
+        keys=keys, temperature=temperature, top_k=top_k, top_p=top_p,
+        num_steps=np.int32(num_steps))
 
 
 def _check_state(state: PagedKVState, model) -> None:
