@@ -31,7 +31,7 @@ from jaxkv.errors import (
 )
 from jaxkv.kv import PagedKVState, init_state
 from jaxkv.model.config import ModelConfig
-from jaxkv.model.pretrained import Model, load_default, load_pretrained, random_model
+from jaxkv.model.pretrained import Model, load_default, load_pretrained, quantize, random_model
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh, shard
 
@@ -68,6 +68,7 @@ __all__ = [
     "init_state",
     "load_default",
     "load_pretrained",
+    "quantize",
     "make_mesh",
     "random_model",
     "shard",

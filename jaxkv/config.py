@@ -20,6 +20,8 @@ import numbers
 from collections.abc import Sequence
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+QUANTIZATIONS = ("none", "int8", "int8-g32", "int4", "int4-g32", "int4-g64", "int4-g128",
+                 "gguf")
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu", "pallas-gpu",
                    "pallas-tpu")
 MODEL_DTYPES = ("auto", "float32", "bfloat16")
@@ -168,6 +170,11 @@ class RuntimeConfig:
     dtype: str = dataclasses.field(default="auto", metadata={"choices": MODEL_DTYPES})
     """Compute dtype of a model loaded from a path: auto (float32 on CPU, the checkpoint's
     bf16/fp32 on GPU/TPU), float32 or bfloat16."""
+    quantization: str = dataclasses.field(default="none", metadata={"choices": QUANTIZATIONS})
+    """Weights of a model loaded from a path (or a float `jaxkv.Model`) quantized and kept
+    quantized on the device: int8 (per output channel), int4 (group 128), -g32/-g64 groups,
+    gguf (a GGUF file's blocks as stored); none keeps float weights. See
+    `jaxkv.model.quant`."""
     seed: int = 0
     """Engine seed: the sampling keys of requests without their own SamplingParams.seed."""
     warmup: bool = True
@@ -178,6 +185,7 @@ class RuntimeConfig:
         name = type(self).__name__
         _one_of(name, "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _one_of(name, "dtype", self.dtype, MODEL_DTYPES)
+        _one_of(name, "quantization", self.quantization, QUANTIZATIONS)
         s = self.seed
         if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= s < 2**64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {s!r}")

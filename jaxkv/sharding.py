@@ -76,7 +76,7 @@ def kv_replication(config: ModelConfig, tp: int) -> int:
 
 
 def _names(path) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    return [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
 
 
 def _expand_kv_params(params, config: ModelConfig, tp: int):
@@ -103,10 +103,14 @@ def _expand_kv_heads(module: Llama, tp: int) -> Llama:
     return new
 
 
-def _spec(path, ndim: int) -> P:
-    names = _names(path)
+def param_spec(path, shape: tuple[int, ...], tp: int) -> P:
+    """The split of one params leaf. Quantized weights (`jaxkv.model.quant`) split like the
+    float weight they hold: integers and per-group scales along the same axis, except the
+    scales of a row-split weight whose groups do not divide over ``tp`` (one per output
+    channel: replicated, as each device's partial sums take the same scale)."""
+    names, ndim = _names(path), len(shape)
     if "embed" in names:
-        return P(TP, None)
+        return P(TP) if ndim == 1 else P(TP, None)  # the table, or its per-row int8 scales
     if "lm_head" in names:
         return P(None, TP)
     name = next((n for n in names if n in _COLUMN + _ROW + _BIAS), None)
@@ -114,6 +118,8 @@ def _spec(path, ndim: int) -> P:
     if name in _COLUMN:
         return P(*lead, None, TP)
     if name in _ROW:
+        if names[-1] in ("scale", "offset") and shape[-2] % tp:
+            return P()
         return P(*lead, TP, None)
     if name in _BIAS:
         return P(*lead, TP)
@@ -122,8 +128,9 @@ def _spec(path, ndim: int) -> P:
 
 def param_shardings(params, mesh: Mesh):
     """A NamedSharding for every leaf of a model's params, by parameter name."""
+    tp = tp_size(mesh)
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, _spec(path, x.ndim)), params)
+        lambda path, x: NamedSharding(mesh, param_spec(path, tuple(x.shape), tp)), params)
 
 
 def kv_sharding(mesh: Mesh, quantized: bool = False) -> PagedKVState:

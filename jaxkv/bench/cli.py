@@ -21,6 +21,7 @@ COMMANDS = {
     "prefix-cache": "prefix_cache",
     "serve": "serve",
     "soak": "soak",
+    "quant": "quant",
     "kv-accuracy": "kv_accuracy",
     "kv-capacity": "kv_capacity",
     "host-tier": "host_tier",

@@ -61,16 +61,17 @@ def host_profile(args) -> dict:
     wall = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        outputs, plan, read, error = engine.dispatch()
+        step = engine.dispatch()
         t1 = time.perf_counter()
-        if read is not None:
-            kind, tokens = read()  # the wait for the device
+        if step.read is not None:
+            kind, tokens = step.read()  # the wait for the device
             t2 = time.perf_counter()
-            engine.collect((outputs, plan, lambda kind=kind, tokens=tokens: (kind, tokens),
-                            error))
+            done = dataclasses.replace(step.read, fn=lambda kind=kind, tokens=tokens: (kind,
+                                                                                    tokens))
+            engine.collect(dataclasses.replace(step, read=done))
         else:
             t2 = t1
-            engine.collect((outputs, plan, read, error))
+            engine.collect(step)
         t3 = time.perf_counter()
         host += (t1 - t0) + (t3 - t2)
         wait += t2 - t1

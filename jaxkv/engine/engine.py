@@ -12,8 +12,7 @@ The core owns the request table, admission (`jaxkv.engine.intake`) and the loop 
 (`ReplicatedEngine`, `DisaggregatedEngine`) dispatches every engine's device work before
 reading any back. While only decodes run and nothing waits, `dispatch` chains decode loops:
 the next one starts from the device's own tokens before the current one is read (async
-scheduling; `jaxkv.engine.launch`), so the host's reading and bookkeeping overlap device
-work.
+scheduling; `jaxkv.engine.launch`): the host's reading and bookkeeping overlap device work.
 
 The device side (weights, KV state, programs, page copies) is the `ModelRunner`
 (`jaxkv.engine.runner`); settings come from `jaxkv.config.EngineConfig`.
@@ -82,14 +81,13 @@ class Engine:
         cfg = EngineConfig.from_kwargs(config, **settings)
         cache, sched = cfg.cache, cfg.scheduler
         if cache.num_pages is None:
-            raise ValueError("Engine: num_pages is required (jaxkv.LLM sizes the pool from "
-                             "memory)")
+            raise ValueError("Engine: num_pages is required (jaxkv.LLM sizes it from memory)")
         limit = model.config.max_position_embeddings
         max_model_len = limit if sched.max_model_len is None else sched.max_model_len
         if max_model_len > limit:
             raise ValueError(f"Engine: max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={limit}")
-        # What update_params checks new weights against: the model as given (unsharded).
+        # update_params checks new weights against the model as given (unsharded):
         self._source_config, self._param_specs = model.config, weights.param_specs(model.params)
         self.config, self.mesh = cfg, mesh
         self.runner = ModelRunner(model, cfg, num_pages=cache.num_pages,
@@ -355,12 +353,14 @@ class Engine:
         preemption (counted as one); a decode loop in flight is dropped, its unread tokens
         never reported. ``"keep"``: they keep their KV, computed by the old weights, and
         decode on with the new ones (stale KV, by choice). Waiting requests always compute
-        with the new weights. Raises ValueError naming ``params`` (and the offending leaf
-        path), ``version`` or ``in_flight``, changing nothing.
+        with the new weights. A quantized engine quantizes a float `Model` alike. Raises
+        ValueError naming ``params`` (and the offending leaf path), ``version`` or
+        ``in_flight``, changing nothing.
         """
         weights.check_in_flight(in_flight)
         version = weights.next_version(self.weight_version, version, self.served_versions)
-        params = weights.source_params(params, self._source_config, self._param_specs)
+        params = weights.source_params(params, self._source_config, self._param_specs,
+                                       self.model.quantization)
         placed = place_params(params, self.model.params, self._source_config)
         if in_flight == "restart":
             self._inflight = None  # sampled by the old weights: its tokens are never read

@@ -18,7 +18,8 @@ from jaxkv.engine.engine import Engine
 from jaxkv.engine.pool_plan import model_kv_spec, plan_kv_pool
 from jaxkv.engine.replicas import ReplicatedEngine
 from jaxkv.engine.request import EngineStats, RequestOutput
-from jaxkv.model.pretrained import Model, load_default, load_pretrained
+from jaxkv.model.pretrained import Model, load_default, load_pretrained, quantize
+from jaxkv.model.quant import QuantScheme
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh
 
@@ -83,13 +84,20 @@ class LLM:
             raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs "
                              f"{need} devices; {len(devices)} available")
         dtype = cfg.runtime.dtype
+        quant = None if cfg.runtime.quantization == "none" else cfg.runtime.quantization
         if model is None:
             model = load_default(dtype=dtype)
         elif isinstance(model, (str, Path)):  # with N devices, each gets only its shards
-            model = load_pretrained(model, dtype=dtype, on_host=need > 1 or sides is not None)
+            model = load_pretrained(model, dtype=dtype, on_host=need > 1 or sides is not None,
+                                    quantization=quant)
         elif not isinstance(model, Model):
             raise ValueError(f"model must be None, a checkpoint path or a jaxkv.Model, got "
                              f"{type(model).__name__}")
+        if quant is not None and model.quantization is None:
+            model = quantize(model, quant)
+        elif quant is not None and model.quantization != QuantScheme.parse(quant):
+            raise ValueError(f"quantization={quant!r}, but the model passed is already "
+                             f"quantized as {model.quantization.name!r}")
         split = [(devices[:need], tp)] if sides is None else sides
         pools = [plan_kv_pool(model, cfg, n, devs[0]) for devs, n in split]
         self.config = cfg

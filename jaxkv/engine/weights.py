@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxkv.model.config import ModelConfig
-from jaxkv.model.pretrained import Model
+from jaxkv.model.pretrained import Model, quantize
 
 IN_FLIGHT = ("restart", "keep")  # what update_params does with requests already running
 
@@ -23,11 +23,15 @@ def param_specs(params):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
-def source_params(params, config: ModelConfig, specs):
+def source_params(params, config: ModelConfig, specs, quantization=None):
     """The params pytree of ``params`` (a `Model` or a pytree) after checking it against the
-    model the engine was built from (its ``config`` and its params' ``specs``). Raises
-    ValueError naming ``params`` and the offending config field or leaf path."""
+    model the engine was built from (its ``config``, its params' ``specs`` and its
+    ``quantization``: a float `Model` is quantized the same way, as a trainer holds float
+    weights). Raises ValueError naming ``params`` and the offending config field or leaf
+    path."""
     if isinstance(params, Model):
+        if quantization is not None and params.quantization is None:
+            params = quantize(params, quantization)
         if params.config != config:
             fields = [f.name for f in dataclasses.fields(config)
                       if getattr(params.config, f.name) != getattr(config, f.name)]

@@ -163,6 +163,22 @@ class GGUFCheckpoint:
             f"GGUF {str(self.path)!r}: tensor rope_freqs.weight matches no Llama-3 RoPE scaling "
             "(factors 2-64, low/high frequency factors 1/4, original context 64-65536)")
 
+    def _kept(self, name: str, heads: int | None):
+        """A linear weight as a `QuantizedWeight` ([in, out]): its blocks repacked when jaxkv
+        keeps their format, else the nearest kept layout (see `gguf_blocks`)."""
+        from jaxkv.model import gguf_blocks
+
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if kind not in gguf_blocks.KEPT:
+            w = self._array(name)
+            return gguf_blocks.nearest_weight(w if heads is None else _unpermute(w, heads), kind)
+        blocks = gguf_blocks.blocks_of(t.data, kind, shape)
+        if heads is not None:  # the permutation moves whole rows: blocks move with them
+            blocks = _unpermute(blocks, heads)
+        return gguf_blocks.kept_weight(blocks, kind, shape)
+
     def _array(self, name: str) -> np.ndarray:
         """A tensor dequantized to float32, in numpy's (row-major, HF) axis order."""
         from gguf import quants
@@ -174,11 +190,21 @@ class GGUFCheckpoint:
                 f"GGUF {str(self.path)!r}: tensor {name!r} has type {kind}, which jaxkv does not "
                 f"dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
         shape = tuple(int(n) for n in reversed(t.shape))
-        return np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+        data = t.data
+        if data.ndim < 2 or data.shape[0] * shape[-1] <= 1 << 22:
+            return np.asarray(quants.dequantize(data, t.tensor_type), np.float32).reshape(shape)
+        out = np.empty(shape, np.float32)  # a block of rows at a time: small temporaries
+        rows = out.reshape(-1, shape[-1])
+        step = max(1, (1 << 22) // shape[-1])
+        for r in range(0, rows.shape[0], step):
+            rows[r:r + step] = quants.dequantize(data[r:r + step], t.tensor_type)
+        return out
 
-    def hf_tensors(self) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    def hf_tensors(self, keep_blocks: bool = False
+                   ) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
         """(HF tensor name, loader) for every tensor; unknown names keep their GGUF name, so
-        the checkpoint check reports them as unexpected."""
+        the checkpoint check reports them as unexpected. ``keep_blocks``: the layers' linear
+        weights come as `QuantizedWeight`s in jaxkv's layout (`gguf_blocks`), not float."""
         c = self.config
         permuted = c.model_type in ("llama", "mistral")
         for name in self.tensors:
@@ -194,7 +220,9 @@ class GGUFCheckpoint:
             key = f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(
                 m.group(2).split(".")[0]) if permuted else None
-            if heads is None:
+            if keep_blocks and key.endswith("_proj.weight"):
+                yield key, lambda name=name, heads=heads: self._kept(name, heads)
+            elif heads is None:
                 yield key, lambda name=name: self._array(name)
             else:
                 yield key, lambda name=name, heads=heads: _unpermute(self._array(name), heads)

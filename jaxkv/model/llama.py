@@ -20,9 +20,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv.model.config import ModelConfig
+from jaxkv.model.quant import (
+    QuantScheme,
+    embed_lookup,
+    embedding_logits,
+    is_quantized,
+    placeholder_embedding,
+    placeholder_weight,
+    qdot,
+)
 from jaxkv.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # quantizable [in, out] weights
 
 
 def rms_norm(x, weight, eps: float):
@@ -42,7 +52,8 @@ class DecoderLayers(nnx.Module):
     matmul, which made scanned decode ~3-4x slower there, so this is the CPU default.
     """
 
-    def __init__(self, config: ModelConfig, *, scan: bool, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, scan: bool, param_dtype, rngs: nnx.Rngs,
+                 quantization: QuantScheme | None = None):
         c = config
         self.scan = scan
         e, f = c.hidden_size, c.intermediate_size
@@ -57,6 +68,8 @@ class DecoderLayers(nnx.Module):
             shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
 
         def make(name, shape):
+            if quantization is not None and name in LINEAR:  # filled by loading / quantize
+                return nnx.Param(placeholder_weight(shape, quantization))
             if name.endswith("norm"):
                 return nnx.Param(jnp.ones(shape, param_dtype))
             if name.startswith("b"):
@@ -75,44 +88,60 @@ class DecoderLayers(nnx.Module):
         return getattr(self, name) if self.scan else getattr(self, name)[layer]
 
     def stacked(self) -> dict:
-        return {name: getattr(self, name)[...] for name in self.names}
+        return {name: getattr(self, name).get_value() for name in self.names}
 
     def layer(self, i: int) -> dict:
-        return {name: getattr(self, name)[i][...] for name in self.names}
+        return {name: getattr(self, name)[i].get_value() for name in self.names}
 
 
 class Llama(nnx.Module):
-    """A Llama/Mistral/Qwen2/Qwen3 decoder. ``dtype`` is the compute dtype."""
+    """A Llama/Mistral/Qwen2/Qwen3 decoder. ``dtype`` is the compute dtype.
+
+    ``quantization`` (a `QuantScheme`): the linear layers (and, with ``embedding``, the
+    embedding and LM head) hold quantized weights (`jaxkv.model.quant`), placeholders until a
+    checkpoint loads or `jaxkv.quantize` fills them. ``integer_dot`` (default: on CPU)
+    multiplies int8 per-channel weights with an int8 x int8 dot (see `quant.qdot`)."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool | None = None, rngs: nnx.Rngs):
+                 scan_layers: bool | None = None, rngs: nnx.Rngs,
+                 quantization: QuantScheme | None = None, integer_dot: bool | None = None):
         if scan_layers is None:
             scan_layers = jax.default_backend() != "cpu"
         self.config = config
         self.dtype = dtype
+        self.quantization = quantization
+        self.integer_dot = jax.default_backend() == "cpu" if integer_dot is None else integer_dot
         init = nnx.initializers.normal(0.02)
         v, e = config.vocab_size, config.hidden_size
-        self.embed = nnx.Param(init(rngs.params(), (v, e), param_dtype))
+        quant_embed = quantization is not None and quantization.embedding
+        self.embed = nnx.Param(placeholder_embedding((v, e)) if quant_embed
+                               else init(rngs.params(), (v, e), param_dtype))
         self.layers = DecoderLayers(config, scan=scan_layers, param_dtype=param_dtype,
-                                    rngs=rngs)
+                                    rngs=rngs, quantization=quantization)
         self.final_norm = nnx.Param(jnp.ones((e,), param_dtype))
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param(init(rngs.params(), (e, v), param_dtype))
+            self.lm_head = nnx.Param(
+                placeholder_weight((e, v), QuantScheme(8, None)) if quant_embed
+                else init(rngs.params(), (e, v), param_dtype))
 
     def __call__(self, tokens_t, positions_t, attention: AttentionFn, carry):
         """Hidden states f[T, E] after the final norm, and the attention carry."""
         c = self.config
         t = tokens_t.shape[0]
-        x = self.embed[...][tokens_t].astype(self.dtype)
+        x = embed_lookup(self.embed.get_value(), tokens_t, self.dtype)
         # Recomputed from the static config at trace time (a host constant): an array attribute
         # would become a placeholder under `nnx.eval_shape`, which checkpoint loading uses.
         cos, sin = rope_cos_sin(positions_t, inverse_frequencies(c))
         def layer(state, xs):
             x, carry = state
             p, index = xs
-            p = jax.tree.map(lambda w: w.astype(self.dtype), p)
+            p = {name: w if is_quantized(w) else w.astype(self.dtype) for name, w in p.items()}
+
+            def mm(a, name):
+                return qdot(a, p[name], self.dtype, integer_dot=self.integer_dot)
+
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            q, k, v = mm(h, "wq"), mm(h, "wk"), mm(h, "wv")
             if c.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q = q.reshape(t, c.num_heads, c.head_dim)
@@ -123,9 +152,9 @@ class Llama(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out, carry = attention(index, q, k, v, carry)
-            x = x + out.reshape(t, -1).astype(self.dtype) @ p["wo"]
+            x = x + mm(out.reshape(t, -1).astype(self.dtype), "wo")
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            x = x + mm(jax.nn.silu(mm(h, "w_gate")) * mm(h, "w_up"), "w_down")
             return (x, carry), None
 
         if self.layers.scan:
@@ -139,8 +168,12 @@ class Llama(nnx.Module):
     def logits(self, hidden):
         """f32[..., V] next-token logits of hidden states [..., E]."""
         if self.config.tie_word_embeddings:
-            # Contract against the [V, E] table directly: `embed.T` would copy it every step.
-            logits = jnp.einsum("...e,ve->...v", hidden, self.embed[...].astype(self.dtype))
-        else:
-            logits = hidden @ self.lm_head[...].astype(self.dtype)
-        return logits.astype(jnp.float32)
+            lead = hidden.shape[:-1]
+            logits = embedding_logits(hidden.reshape(-1, hidden.shape[-1]),
+                                      self.embed.get_value(), self.dtype,
+                                      integer_dot=self.integer_dot)
+            return logits.reshape(*lead, -1)
+        lead = hidden.shape[:-1]
+        logits = qdot(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.get_value(),
+                      self.dtype, integer_dot=self.integer_dot)
+        return logits.astype(jnp.float32).reshape(*lead, -1)

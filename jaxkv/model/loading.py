@@ -18,7 +18,14 @@ from safetensors import safe_open
 
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.model.config import ModelConfig
-from jaxkv.model.llama import Llama
+from jaxkv.model.llama import LINEAR, Llama
+from jaxkv.model.quant import (
+    QuantScheme,
+    dequantize_host,
+    is_quantized,
+    quantize,
+    quantize_embedding,
+)
 
 # jaxkv stacked layer param -> (HF name inside model.layers.{i}., transpose?)
 _LAYER_TENSORS = {
@@ -54,10 +61,26 @@ def _tensor_files(folder: Path) -> list[Path]:
 
 
 def abstract_model(config: ModelConfig, dtype=jnp.float32, param_dtype=jnp.float32,
-                   scan_layers: bool | None = None) -> Llama:
+                   scan_layers: bool | None = None,
+                   quantization: QuantScheme | None = None) -> Llama:
     """A model whose params are shape-only placeholders (no memory, no random init)."""
     return nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype,
-                                        scan_layers=scan_layers, rngs=nnx.Rngs(0)))
+                                        scan_layers=scan_layers, rngs=nnx.Rngs(0),
+                                        quantization=quantization))
+
+
+def host_value(name: str, array: np.ndarray, quantization: QuantScheme | None):
+    """What param ``name`` stores for the float tensor ``array`` (jaxkv layout): the array,
+    or its quantized form under ``quantization`` (one tensor at a time, on the host)."""
+    if quantization is None:
+        return array
+    if name in LINEAR:
+        return quantize(array, quantization)
+    if quantization.embedding and name == "embed":
+        return quantize_embedding(array)
+    if quantization.embedding and name == "lm_head":
+        return quantize(array, QuantScheme(8, None))
+    return array
 
 
 def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int, ...]]]:
@@ -88,23 +111,37 @@ def _safetensors_items(folder: Path):
 
 def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
                 param_dtype=jnp.float32, scan_layers: bool | None = None,
-                on_host: bool = False) -> Llama:
+                on_host: bool = False, quantization: QuantScheme | None = None) -> Llama:
     """Loads a checkpoint folder into a `Llama`, checking every tensor against the config.
 
     ``on_host`` keeps the weights in host memory (numpy) instead of the default device: for a
-    model larger than one device, which `jaxkv.shard` then places shard by shard."""
+    model larger than one device, which `jaxkv.shard` then places shard by shard.
+    ``quantization``: each weight is quantized as it is read (`jaxkv.model.quant`)."""
     folder = Path(folder)
     return load_tensors(_safetensors_items(folder), str(folder), config, dtype=dtype,
-                        param_dtype=param_dtype, scan_layers=scan_layers, on_host=on_host)
+                        param_dtype=param_dtype, scan_layers=scan_layers, on_host=on_host,
+                        quantization=quantization)
 
 
 def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
                  param_dtype=jnp.float32, scan_layers: bool | None = None,
-                 on_host: bool = False) -> Llama:
+                 on_host: bool = False, quantization: QuantScheme | None = None) -> Llama:
     """Builds a `Llama` from (HF tensor name, loader) pairs: a loader is called only for a
-    tensor the config expects. ``source`` names the checkpoint in errors."""
-    model = abstract_model(config, dtype, param_dtype, scan_layers)
+    tensor the config expects, and its tensor is quantized (``quantization``) before the next
+    is read, so the host holds one float tensor at a time. An item's loader may also return a
+    `QuantizedWeight` already in jaxkv's layout (a GGUF block format kept as it is).
+    ``source`` names the checkpoint in errors."""
+    model = abstract_model(config, dtype, param_dtype, scan_layers, quantization)
     expected = _expected(model)
+
+    def place(value):  # on_host: numpy, for `jaxkv.shard` to send each device its part only
+        put = np.asarray if on_host else jnp.asarray
+        if is_quantized(value):  # integer weights and float32 scales keep their dtypes
+            return jax.tree.map(put, value)
+        return put(value, dtype=param_dtype)
+
+    # Each tensor is placed as it is read (the host copy dropped at once), except the layers of
+    # a stacked layout, which wait on the host to be stacked.
     loaded: dict[tuple[str, int | None], np.ndarray] = {}
     seen, unexpected, bad_shapes, bad_keys = set(), [], [], set()
     for key, load in items:
@@ -117,12 +154,21 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
             continue
         name, layer, transpose, shape = expected[key]
         tensor = load()
-        if tuple(tensor.shape) != shape:
+        got = tuple(tensor.shape)  # a quantized tensor comes in jaxkv's [in, out] layout
+        if tuple(got[::-1] if is_quantized(tensor) and transpose else got) != shape:
             bad_shapes.append(f"{key}: expected {shape}, got {tuple(tensor.shape)}")
             bad_keys.add(key)
             continue
         seen.add(key)
-        loaded[name, layer] = tensor.T if transpose else tensor
+        value = tensor if is_quantized(tensor) else host_value(
+            name, tensor.T if transpose else tensor, quantization)
+        del tensor
+        if layer is None:
+            getattr(model, name).set_value(place(value))
+        elif not model.layers.scan:
+            model.layers.param(name, layer).set_value(place(value))
+        else:
+            loaded[name, layer] = value
     missing = sorted(set(expected) - seen - bad_keys)
     problems = []
     if bad_shapes:
@@ -136,34 +182,46 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
     if problems:
         raise CheckpointError(f"checkpoint {source!r} does not match its config: "
                               + " | ".join(problems))
-    def place(array):  # on_host: numpy, for `jaxkv.shard` to send each device its part only
-        return np.asarray(array, dtype=param_dtype) if on_host else \
-            jnp.asarray(array, dtype=param_dtype)
-
-    for (name, layer), array in loaded.items():
-        if layer is None:
-            getattr(model, name).set_value(place(array))
-        elif not model.layers.scan:
-            model.layers.param(name, layer).set_value(place(array))
     if model.layers.scan:
         for name in model.layers.names:
-            stacked = np.stack([loaded[name, i] for i in range(config.num_layers)])
+            parts = [loaded.pop((name, i)) for i in range(config.num_layers)]
+            if len({jax.tree.structure(p) for p in parts}) > 1:
+                raise CheckpointError(f"checkpoint {source!r}: the layers' {name} weights are "
+                                      "stored in different formats, which a stacked layout "
+                                      "cannot hold; load with scan_layers=False")
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *parts)
+            del parts
             getattr(model.layers, name).set_value(place(stacked))
     return model
 
 
+def hf_tensors(model: Llama):
+    """(HF name, loader) for every tensor of ``model`` in the Hugging Face layout (host numpy,
+    quantized weights dequantized to float32), one tensor at a time."""
+    def load(name, layer, transpose):
+        var = getattr(model, name) if layer is None else model.layers.param(name, layer)
+        value = var.get_value()
+        if layer is not None and model.layers.scan:
+            value = jax.tree.map(lambda x: x[layer], value)
+        array = dequantize_host(value) if is_quantized(value) else np.asarray(
+            jax.device_get(value))
+        return array.T if transpose else array
+
+    for key, (name, layer, transpose, _) in _expected(model).items():
+        yield key, lambda name=name, layer=layer, transpose=transpose: load(name, layer,
+                                                                             transpose)
+
+
 def save_params(model: Llama, folder: str | Path, *, dtype=None) -> None:
-    """Writes config.json and model.safetensors in the Hugging Face layout."""
+    """Writes config.json and model.safetensors in the Hugging Face layout (quantized weights
+    dequantized to float32: the HF layout has no place for jaxkv's blocks)."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for key, (name, layer, transpose, _) in _expected(model).items():
-        var = getattr(model, name) if layer is None else model.layers.param(name, layer)
-        array = np.asarray(jax.device_get(var[...]))
-        array = array[layer] if layer is not None and model.layers.scan else array
-        array = array.T if transpose else array
+    for key, load in hf_tensors(model):
+        array = load()
         tensors[key] = np.ascontiguousarray(array.astype(dtype) if dtype is not None else array)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf = model.config.to_hf_dict()

