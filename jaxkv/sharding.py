@@ -109,8 +109,8 @@ def param_spec(path, shape: tuple[int, ...], tp: int) -> P:
     scales of a row-split weight whose groups do not divide over ``tp`` (one per output
     channel: replicated, as each device's partial sums take the same scale)."""
     names, ndim = _names(path), len(shape)
-    if "embed" in names:
-        return P(TP) if ndim == 1 else P(TP, None)  # the table, or its per-row int8 scales
+    if "embed" in names:  # split over the vocabulary: a float [V, E] table, or quantized
+        return P(None, TP) if names[-1] in ("q", "scale", "offset") else P(TP, None)  # [E, V]
     if "lm_head" in names:
         return P(None, TP)
     name = next((n for n in names if n in _COLUMN + _ROW + _BIAS), None)

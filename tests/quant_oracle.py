@@ -5,14 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv.model.quant import QuantizedEmbedding, is_quantized
+from jaxkv.model.quant import is_quantized
 
 
 def numpy_dequantize(w) -> np.ndarray:
-    """Float32 weight of a QuantizedWeight/QuantizedEmbedding, written out in numpy (the
-    oracle's own unpacking, independent of `QuantizedWeight.dequantize`)."""
-    if isinstance(w, QuantizedEmbedding):
-        return np.asarray(w.q, np.float32) * np.asarray(w.scale)[:, None]
+    """Float32 [..., I, O] weight of a QuantizedWeight, written out in numpy (the oracle's own
+    unpacking, independent of `QuantizedWeight.dequantize`)."""
     q = np.asarray(w.q)
     if w.bits == 4:
         q = np.stack([q & 15, q >> 4], axis=-2).reshape(*q.shape[:-2], 2 * q.shape[-2],
@@ -33,11 +31,13 @@ def float_twin(model: jaxkv.Model) -> jaxkv.Model:
     module = model.module()
     twin = jaxkv.random_model(model.config, scan_layers=module.layers.scan).module()
 
-    def put(dst, src):
+    def put(dst, src, transpose=False):
         value = src.get_value()
-        dst.set_value(jnp.asarray(numpy_dequantize(value) if is_quantized(value) else value))
+        if is_quantized(value):
+            value = numpy_dequantize(value).T if transpose else numpy_dequantize(value)
+        dst.set_value(jnp.asarray(value))
 
-    put(twin.embed, module.embed)
+    put(twin.embed, module.embed, transpose=True)  # quantized: [E, V], the LM head's layout
     put(twin.final_norm, module.final_norm)
     if not model.config.tie_word_embeddings:
         put(twin.lm_head, module.lm_head)
@@ -48,3 +48,13 @@ def float_twin(model: jaxkv.Model) -> jaxkv.Model:
             for i in range(model.config.num_layers):
                 put(twin.layers.param(name, i), module.layers.param(name, i))
     return jaxkv.Model.from_module(twin)
+
+
+def weight_only(model):
+    """``model`` computing with its dequantized weights (integer_dot off): the CPU kernel also
+    rounds the activations to int8, which an fp32 oracle on the same weights does not."""
+    import jaxkv
+
+    module = model.module()
+    module.integer_dot = False
+    return jaxkv.Model.from_module(module, model.tokenizer, model.path)

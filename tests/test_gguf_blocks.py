@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf_files import write_gguf
 from hf_models import build_hf_model, dense_logits, hf_logits
-from quant_oracle import numpy_dequantize
+from quant_oracle import numpy_dequantize, weight_only
 from test_gguf import IDS, LOGIT_ATOL, WIDE, transformers_gguf
 
 import jaxkv
@@ -44,8 +44,17 @@ def test_kept_blocks_equal_transformers_dequantized_weights(tmp_path):
             want = ref_params[f"model.layers.{i}.{hf_name}.weight"].T  # [in, out]
             np.testing.assert_allclose(numpy_dequantize(w), want, atol=1e-6, rtol=0,
                                        err_msg=f"{name} layer {i}")
-    np.testing.assert_allclose(dense_logits(model, IDS), hf_logits(ref, IDS), atol=LOGIT_ATOL,
+    want = hf_logits(ref, IDS)
+    np.testing.assert_allclose(dense_logits(weight_only(model), IDS), want, atol=LOGIT_ATOL,
                                rtol=0)
+    # The CPU kernel (the default) also rounds activations to int8 per 32 inputs (its
+    # arithmetic is checked exactly in test_quant_matmul_cpu.py). This unsharpened random
+    # model amplifies that: 6.7% mean and 9% max logit error, 93% of top tokens kept, where
+    # SmolLM2's perplexity moves by 0.1% (docs/BENCHMARKS.md). Close, not equal:
+    got = dense_logits(model, IDS)
+    assert np.abs(got - want).mean() <= 0.1 * np.abs(want).mean()
+    assert np.abs(got - want).max() <= 0.15 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.85
     int8 = sum(x.nbytes for x in jax.tree.leaves(model.params))
     full = sum(x.nbytes for x in jax.tree.leaves(jaxkv.load_pretrained(path).params))
     assert int8 < 0.45 * full  # kept blocks, not float32
@@ -86,7 +95,18 @@ def test_smollm2_q4_1_served_as_stored_equals_its_dequantized_float_load():
     stored = jaxkv.load_pretrained("smollm2", dtype="float32", quantization="gguf")
     ref = jaxkv.load_pretrained("smollm2", dtype="float32")
     ids = ref.encode("The capital of France is Paris. The capital of Germany is")
-    np.testing.assert_allclose(dense_logits(stored, ids), dense_logits(ref, ids), atol=1e-4,
-                               rtol=0)
+    want = dense_logits(ref, ids)
+    # The same weights bit for bit (Q4_1 linears, the Q8_0 embedding as the tied LM head)...
+    np.testing.assert_allclose(dense_logits(weight_only(stored), ids), want, atol=1e-4, rtol=0)
+    # ...and through the CPU kernel (activations rounded to int8 per 32, as llama.cpp does):
+    # the next-token distributions move by a KL of 0.015 nats on average here (0.07 at the
+    # first position; the held text's perplexity by 0.1%), the top tokens stay.
+    got = dense_logits(stored, ids)
+    log_want, log_got = jax.nn.log_softmax(want, -1), jax.nn.log_softmax(got, -1)
+    kl = np.asarray((np.exp(log_want) * (log_want - log_got)).sum(-1))
+    assert kl.mean() <= 0.03 and kl.max() <= 0.15, kl
+    assert kl.max() > 1e-4  # the rounding is real (the weight-only path above has none)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    assert got[-1].argmax() == want[-1].argmax() == ref.encode(" Berlin")[0]
     nbytes = [sum(x.nbytes for x in jax.tree.leaves(m.params)) for m in (stored, ref)]
-    assert nbytes[0] < 0.4 * nbytes[1]
+    assert nbytes[0] < 0.25 * nbytes[1]  # int4 linears and an int8 table, not float32

@@ -85,16 +85,21 @@ def _optimized_hlo(model) -> str:
     return jax.jit(forward).lower(jnp.zeros(4, jnp.int32)).compile().as_text()
 
 
-def test_cpu_int8_path_never_materializes_a_float_weight(plain_model):
+@pytest.mark.parametrize("spec", ["int8", "int8-g32", "int4-g32", "int4-g64"])
+def test_cpu_path_never_materializes_a_float_weight(plain_model, spec):
+    """On CPU every linear goes through the integer kernel (`pallas_kernels.cpu_quant_matmul`),
+    the tied LM head through an int8 x int8 dot: no float copy of any weight in the program."""
     c = plain_model.config
     weights = [f"f32[{c.hidden_size},{c.intermediate_size}]",
                f"f32[{c.intermediate_size},{c.hidden_size}]",
                f"f32[{c.vocab_size},{c.hidden_size}]"]
-    hlo = _optimized_hlo(jaxkv.quantize(plain_model, "int8", integer_dot=True))
+    hlo = _optimized_hlo(jaxkv.quantize(plain_model, spec, integer_dot=True))
     assert not [w for w in weights if w in hlo]
-    assert "s32[" in hlo and "s8[" in hlo  # an int8 x int8 -> int32 dot
+    # wv, wo, gate, up, down of every layer (this attention stub leaves q and k unused)
+    assert hlo.count('custom_call_target="jaxkv_quantized_matmul"') == 5 * c.num_layers
+    assert "s32[" in hlo and "s8[" in hlo  # the LM head: an int8 x int8 -> int32 dot
     # the check can fail: the dequantizing path does materialize them
-    hlo = _optimized_hlo(jaxkv.quantize(plain_model, "int8", integer_dot=False))
+    hlo = _optimized_hlo(jaxkv.quantize(plain_model, spec, integer_dot=False))
     assert [w for w in weights if w in hlo]
 
 
@@ -168,7 +173,8 @@ def test_shardings_split_quantized_weights_like_float_ones(plain_model):
     assert find("'wq'", ".q") == P(None, "tp") and find("'wq'", ".scale") == P(None, "tp")
     assert find("'w_down'", ".q") == P("tp", None)
     assert find("'w_down'", ".scale") == P("tp", None)  # 4 groups of 32 over 2 devices
-    assert find("'embed'", ".q") == P("tp", None) and find("'embed'", ".scale") == P("tp")
+    # the quantized table is [E, V] (the LM head's layout): split over the vocabulary still
+    assert find("'embed'", ".q") == P(None, "tp") and find("'embed'", ".scale") == P(None, "tp")
     per_channel = jaxkv.quantize(jaxkv.random_model(config), "int8")
     leaves = jax.tree_util.tree_flatten_with_path(per_channel.params)[0]
     down = next((p, x) for p, x in leaves if "w_down" in jax.tree_util.keystr(p)

@@ -88,16 +88,18 @@ class LLM:
         if model is None:
             model = load_default(dtype=dtype)
         elif isinstance(model, (str, Path)):  # with N devices, each gets only its shards
+            # load_pretrained resolves `quant` against the checkpoint (e.g. "int4" on an AWQ
+            # folder of group 32 keeps its blocks), so its scheme may differ from parse(quant)
             model = load_pretrained(model, dtype=dtype, on_host=need > 1 or sides is not None,
                                     quantization=quant)
         elif not isinstance(model, Model):
             raise ValueError(f"model must be None, a checkpoint path or a jaxkv.Model, got "
                              f"{type(model).__name__}")
-        if quant is not None and model.quantization is None:
-            model = quantize(model, quant)
-        elif quant is not None and model.quantization != QuantScheme.parse(quant):
+        elif quant is not None and model.quantization not in (None, QuantScheme.parse(quant)):
             raise ValueError(f"quantization={quant!r}, but the model passed is already "
                              f"quantized as {model.quantization.name!r}")
+        if quant is not None and model.quantization is None:
+            model = quantize(model, quant)
         split = [(devices[:need], tp)] if sides is None else sides
         pools = [plan_kv_pool(model, cfg, n, devs[0]) for devs, n in split]
         self.config = cfg

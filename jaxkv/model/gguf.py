@@ -203,15 +203,22 @@ class GGUFCheckpoint:
     def hf_tensors(self, keep_blocks: bool = False
                    ) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
         """(HF tensor name, loader) for every tensor; unknown names keep their GGUF name, so
-        the checkpoint check reports them as unexpected. ``keep_blocks``: the layers' linear
-        weights come as `QuantizedWeight`s in jaxkv's layout (`gguf_blocks`), not float."""
+        the checkpoint check reports them as unexpected. ``keep_blocks``: the linear weights
+        (and a quantized embedding / LM head) come as `QuantizedWeight`s in jaxkv's layout
+        (`gguf_blocks`), not float."""
         c = self.config
         permuted = c.model_type in ("llama", "mistral")
         for name in self.tensors:
             if name == "rope_freqs.weight":
                 continue  # read into the config's rope_scaling
             if name in _GLOBAL_TENSORS:
-                yield _GLOBAL_TENSORS[name], lambda name=name: self._array(name)
+                # The embedding and LM head keep their blocks too (a table [V, E] is a linear
+                # of V outputs: [E, V] in jaxkv's layout); float ones are quantized on load.
+                quantized = self.tensors[name].tensor_type.name not in ("F32", "F16", "BF16")
+                if keep_blocks and quantized and name != "output_norm.weight":
+                    yield _GLOBAL_TENSORS[name], lambda name=name: self._kept(name, None)
+                else:
+                    yield _GLOBAL_TENSORS[name], lambda name=name: self._array(name)
                 continue
             m = _BLOCK.fullmatch(name)
             if m is None or m.group(2) not in _LAYER_TENSORS:

@@ -99,8 +99,9 @@ class Llama(nnx.Module):
 
     ``quantization`` (a `QuantScheme`): the linear layers (and, with ``embedding``, the
     embedding and LM head) hold quantized weights (`jaxkv.model.quant`), placeholders until a
-    checkpoint loads or `jaxkv.quantize` fills them. ``integer_dot`` (default: on CPU)
-    multiplies int8 per-channel weights with an int8 x int8 dot (see `quant.qdot`)."""
+    checkpoint loads or `jaxkv.quantize` fills them. ``integer_dot`` (default on) multiplies
+    them with the platform's quantized-matmul kernel, which reads the integers (see
+    `quant.qdot`); off, each weight is dequantized next to its dot."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  scan_layers: bool | None = None, rngs: nnx.Rngs,
@@ -110,7 +111,9 @@ class Llama(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
-        self.integer_dot = jax.default_backend() == "cpu" if integer_dot is None else integer_dot
+        self.integer_dot = True if integer_dot is None else integer_dot
+        self.kernel_platform: str | None = None  # None: jax.default_backend()
+        self.mesh = None  # a tensor-parallel Mesh: quantized kernels run per shard
         init = nnx.initializers.normal(0.02)
         v, e = config.vocab_size, config.hidden_size
         quant_embed = quantization is not None and quantization.embedding
@@ -132,13 +135,16 @@ class Llama(nnx.Module):
         # Recomputed from the static config at trace time (a host constant): an array attribute
         # would become a placeholder under `nnx.eval_shape`, which checkpoint loading uses.
         cos, sin = rope_cos_sin(positions_t, inverse_frequencies(c))
+        kernel = self.matmul_kernel()
+
         def layer(state, xs):
             x, carry = state
             p, index = xs
             p = {name: w if is_quantized(w) else w.astype(self.dtype) for name, w in p.items()}
 
             def mm(a, name):
-                return qdot(a, p[name], self.dtype, integer_dot=self.integer_dot)
+                split = "row" if name in ("wo", "w_down") else "column"
+                return qdot(a, p[name], self.dtype, kernel=kernel, split=split, mesh=self.mesh)
 
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
             q, k, v = mm(h, "wq"), mm(h, "wk"), mm(h, "wv")
@@ -165,15 +171,23 @@ class Llama(nnx.Module):
                 (x, carry), _ = layer((x, carry), (self.layers.layer(i), i))
         return rms_norm(x, self.final_norm[...], c.rms_norm_eps), carry
 
+    def matmul_kernel(self) -> str:
+        """Which `qdot` kernel multiplies quantized weights: the platform's ("cpu", "gpu",
+        "tpu"; `kernel_platform` when a step compiles for another chip), or "xla" with
+        ``integer_dot`` off (dequantize next to each dot)."""
+        platform = self.kernel_platform or jax.default_backend()
+        return platform if self.integer_dot and platform in ("cpu", "gpu", "tpu") else "xla"
+
     def logits(self, hidden):
         """f32[..., V] next-token logits of hidden states [..., E]."""
         if self.config.tie_word_embeddings:
             lead = hidden.shape[:-1]
             logits = embedding_logits(hidden.reshape(-1, hidden.shape[-1]),
                                       self.embed.get_value(), self.dtype,
-                                      integer_dot=self.integer_dot)
+                                      kernel=self.matmul_kernel(), mesh=self.mesh)
             return logits.reshape(*lead, -1)
         lead = hidden.shape[:-1]
         logits = qdot(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.get_value(),
-                      self.dtype, integer_dot=self.integer_dot)
+                      self.dtype, kernel=self.matmul_kernel(), split="column",
+                      mesh=self.mesh)
         return logits.astype(jnp.float32).reshape(*lead, -1)

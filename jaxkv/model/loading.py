@@ -47,7 +47,8 @@ _LAYER_TENSORS = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _tensor_files(folder: Path) -> list[Path]:
+def tensor_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder (one, or the shards of its index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -103,7 +104,7 @@ def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int,
 
 def _safetensors_items(folder: Path):
     """(name, loader) for every tensor of a safetensors checkpoint folder."""
-    for path in _tensor_files(folder):
+    for path in tensor_files(folder):
         with safe_open(str(path), framework="np") as f:
             for key in f.keys():
                 yield key, lambda f=f, key=key: f.get_tensor(key)
@@ -155,7 +156,9 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
         name, layer, transpose, shape = expected[key]
         tensor = load()
         got = tuple(tensor.shape)  # a quantized tensor comes in jaxkv's [in, out] layout
-        if tuple(got[::-1] if is_quantized(tensor) and transpose else got) != shape:
+        # (the embedding's too: [E, V], the tied LM head's)
+        if tuple(got[::-1] if is_quantized(tensor) and (transpose or name == "embed")
+                 else got) != shape:
             bad_shapes.append(f"{key}: expected {shape}, got {tuple(tensor.shape)}")
             bad_keys.add(key)
             continue
@@ -203,8 +206,10 @@ def hf_tensors(model: Llama):
         value = var.get_value()
         if layer is not None and model.layers.scan:
             value = jax.tree.map(lambda x: x[layer], value)
-        array = dequantize_host(value) if is_quantized(value) else np.asarray(
-            jax.device_get(value))
+        if is_quantized(value):  # [in, out]; a quantized embedding is [E, V] too
+            array = dequantize_host(value)
+            return array.T if transpose or name == "embed" else array
+        array = np.asarray(jax.device_get(value))
         return array.T if transpose else array
 
     for key, (name, layer, transpose, _) in _expected(model).items():

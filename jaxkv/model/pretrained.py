@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.model.config import ModelConfig
+from jaxkv.model.int4_checkpoints import read_int4_format
 from jaxkv.model.llama import Llama
 from jaxkv.model.loading import hf_tensors, load_params, load_tensors
 from jaxkv.model.quant import QuantScheme
@@ -115,11 +116,13 @@ def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str |
     model that does not fit one device never lands whole on one). ``quantization``: "int8"
     (per output channel), "int4" (group 128), "int4-g32"/"-g64", "int8-g32" or a
     `QuantScheme`: each weight is quantized as it is read and stays quantized on the device
-    (`jaxkv.model.quant`); None keeps float weights.
+    (`jaxkv.model.quant`); None keeps float weights. An AWQ/GPTQ int4 folder keeps its own
+    blocks (`jaxkv.model.int4_checkpoints`) with None, "int4" or "int4-g<its group>" (the
+    latter two also make the embedding int8); another scheme is an error.
     """
     from jaxkv.model import gguf
 
-    quantization = QuantScheme.parse(quantization)
+    requested, quantization = quantization, QuantScheme.parse(quantization)
     if str(path) == SMOLLM2 and not Path(path).exists():
         path = smollm2_path()
     path = Path(path)
@@ -144,11 +147,16 @@ def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str |
             return _load_gguf(found, dtype, param_dtype, scan_layers, on_host, quantization)
         raise CheckpointNotFoundError(
             f"load_pretrained: folder {str(path)!r} has no config.json (nor a .gguf file)")
+    int4 = read_int4_format(path)  # an AWQ/GPTQ checkpoint: its int4 blocks are kept
     config = ModelConfig.from_hf(path)
     compute = _dtype(_auto_dtype(dtype, _hf_dtype(path)))
-    module = load_params(path, config, dtype=compute,
-                         param_dtype=_dtype(param_dtype) if param_dtype else compute,
-                         scan_layers=scan_layers, on_host=on_host, quantization=quantization)
+    kwargs = dict(dtype=compute, param_dtype=_dtype(param_dtype) if param_dtype else compute,
+                  scan_layers=scan_layers, on_host=on_host)
+    if int4 is None:
+        module = load_params(path, config, quantization=quantization, **kwargs)
+    else:
+        module = load_tensors(int4.hf_tensors(), str(path), config,
+                              quantization=int4.scheme(requested), **kwargs)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
@@ -196,7 +204,7 @@ def quantize(model: Model, quantization: str | QuantScheme, *,
              integer_dot: bool | None = None) -> Model:
     """``model`` with its weights quantized (`jaxkv.model.quant`): a new `Model`, the input
     unchanged. Tensor by tensor on the host, so the float model and the quantized one are
-    never both materialized twice over. ``integer_dot``: see `Llama` (default: on CPU)."""
+    never both materialized twice over. ``integer_dot``: see `Llama` (default on)."""
     scheme = QuantScheme.parse(quantization)
     if scheme is None:
         raise ValueError("quantization: pass 'int8', 'int4' or a QuantScheme to quantize")

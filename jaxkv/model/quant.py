@@ -8,16 +8,21 @@ V vocabulary, E hidden. A weight is ``w[i, o] = q[i, o] * scale[g(i), o] + offse
 symmetric int8 has no offset; int4 is asymmetric (min/max), the form GGUF's Q4_1 and AWQ/GPTQ
 zero points take exactly (``offset = -zero * scale``).
 
-How it multiplies (`qdot`):
+The embedding, quantized, is the same pytree in the tied LM head's [in, out] layout: int8
+[E, V] with a scale per table row (per output channel), or a GGUF file's own blocks; a lookup
+dequantizes only the gathered columns.
 
-- **int8 per output channel, integer dot** (the CPU path): the activations are quantized per
-  token to int8 (absmax), the product accumulates in int32 (an s8 x s8 -> s32 dot, which
-  XLA:CPU runs through its int8 GEMM), and one multiply by ``x_scale[t] * scale[o]`` gives the
-  output. No float copy of the weight exists at any point. XLA:CPU does not fuse an int8 ->
-  float conversion into a float dot (it materializes the converted weight every step, slower
-  than reading fp32), so this is the only fast int8 path it has.
-- **otherwise** (int4, grouped int8, GPU/TPU): the weight is dequantized inside the jitted step
-  next to its dot, which XLA fuses on GPU and TPU; Pallas weight-only kernels take over there.
+How it multiplies (`qdot`), by ``kernel``:
+
+- **"cpu"**: the C++ FFI kernel (`pallas_kernels.cpu_quant_matmul`): activations rounded to
+  int8 per 32 inputs (llama.cpp's Q8_0), int32 sums with AVX-512 VNNI, no float weight at any
+  point. XLA:CPU has no fused int4 dot and writes a converted copy of an int8 weight before a
+  float dot, slower than reading fp32: this is its fast path. Without a C++ compiler, int8
+  per-channel weights fall back to XLA's int8 x int8 -> int32 dot (activations per token).
+- **"gpu"** / **"tpu"**: the Pallas weight-only kernels (`gpu_quant_matmul`,
+  `tpu_quant_matmul`): integers read from HBM, dequantized in registers / VMEM.
+- **"xla"** (``integer_dot=False``, or shapes a kernel refuses): the weight dequantized next
+  to its dot inside the jitted step.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.quant_matmul import kernel_takes, quantized_matmul
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -49,8 +56,8 @@ class QuantScheme:
         stored: Q8_0 -> int8 g32, Q4_0/Q4_1 -> int4 g32, others the nearest), or None."""
         if spec is None or isinstance(spec, QuantScheme):
             return spec
-        if spec == "gguf":  # the embedding as stored too: float, exactly its dequantized value
-            return cls(4, 32, embedding=False, gguf=True)
+        if spec == "gguf":  # the embedding's blocks as stored too (a float one: int8 per row)
+            return cls(4, 32, embedding=True, gguf=True)
         m = re.fullmatch(r"int(8|4)(?:-g(\d+))?", str(spec))
         group = None if m is None or m.group(2) is None else int(m.group(2))
         if m is None or (group is not None and group not in GROUP_SIZES):
@@ -100,25 +107,8 @@ class QuantizedWeight:
         return w.reshape(*lead, rows, cols).astype(dtype)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedEmbedding:
-    """An int8 [V, E] table with one scale per row: looked up by token, and (tied) the LM head,
-    whose output channels are its rows."""
-
-    q: jax.Array  # i8[V, E]
-    scale: jax.Array  # f32[V]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
-
-    def lookup(self, tokens, dtype):
-        return (self.q[tokens].astype(jnp.float32) * self.scale[tokens, None]).astype(dtype)
-
-
 def is_quantized(x) -> bool:
-    return isinstance(x, (QuantizedWeight, QuantizedEmbedding))
+    return isinstance(x, QuantizedWeight)
 
 
 def placeholder_weight(shape, scheme: QuantScheme) -> QuantizedWeight:
@@ -134,8 +124,11 @@ def placeholder_weight(shape, scheme: QuantScheme) -> QuantizedWeight:
                            jnp.zeros((*lead, groups, cols), jnp.float32), 4)
 
 
-def placeholder_embedding(shape) -> QuantizedEmbedding:
-    return QuantizedEmbedding(jnp.zeros(shape, jnp.int8), jnp.ones(shape[:1], jnp.float32))
+def placeholder_embedding(shape) -> QuantizedWeight:
+    """The quantized layout of a float [V, E] table: int8 [E, V], a scale per row of the table
+    (per output channel of the tied LM head), filled by loading."""
+    v, e = shape
+    return placeholder_weight((e, v), QuantScheme(8, None))
 
 
 # ---- quantizing on the host (numpy, one tensor at a time) -----------------------------------
@@ -180,28 +173,15 @@ def pack_int4(q):
     return (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).astype(np.uint8)
 
 
-def quantize_embedding(table) -> QuantizedEmbedding:
-    """Int8 [V, E] with one absmax scale per row (a block of rows at a time)."""
-    step = max(1, CHUNK // table.shape[1])
-    if table.shape[0] > step:
-        parts = [_quantize_rows(table[r:r + step]) for r in range(0, table.shape[0], step)]
-        return QuantizedEmbedding(np.concatenate([p.q for p in parts]),
-                                  np.concatenate([p.scale for p in parts]))
-    return _quantize_rows(table)
-
-
-def _quantize_rows(table) -> QuantizedEmbedding:
-    table = np.asarray(table, np.float32)
-    scale = np.abs(table).max(axis=-1) / 127.0
-    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    q = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
-    return QuantizedEmbedding(q, scale)
+def quantize_embedding(table) -> QuantizedWeight:
+    """A float [V, E] table as int8 [E, V] with one scale per row of the table: the LM head's
+    [in, out] layout (`qdot`'s kernels multiply it as they do any weight); a lookup gathers
+    columns (`embed_lookup`)."""
+    return quantize(np.asarray(table).T, QuantScheme(8, None))
 
 
 def dequantize_host(x) -> np.ndarray:
     """The float32 value of a quantized tensor, on the host (saving, tests)."""
-    if isinstance(x, QuantizedEmbedding):
-        return np.asarray(x.q, np.float32) * np.asarray(x.scale)[:, None]
     return np.asarray(jax.jit(lambda w: w.dequantize(jnp.float32))(x))
 
 
@@ -222,27 +202,84 @@ def _int8_dot(x, q, scale, contract: int):
     return acc.astype(jnp.float32) * x_scale * scale
 
 
-def qdot(x, w, dtype, *, integer_dot: bool):
-    """x[T, I] @ w[I, O] for a float or quantized weight, in ``dtype``."""
+MATMUL_KERNELS = ("cpu", "gpu", "tpu", "xla")
+
+
+def qdot(x, w, dtype, *, kernel: str, split: str | None = None, mesh=None):
+    """x[T, I] @ w[I, O] for a float or quantized weight, in ``dtype``. ``kernel``: "cpu",
+    "gpu" or "tpu" multiply a quantized weight with that platform's kernel
+    (`pallas_kernels.quant_matmul`) where it takes the shapes; "xla" (or a shape the kernel
+    refuses) dequantizes next to the dot. With a ``mesh`` of tensor parallelism (axis "tp"),
+    the kernel runs per device on its shard (``split`` "column": w split by output, or "row":
+    split by input, partial sums added); a kernel is a custom call, which the partitioner
+    would otherwise run on gathered, whole weights."""
     if not isinstance(w, QuantizedWeight):
         return x @ w.astype(dtype)
-    if integer_dot and w.bits == 8 and w.scale.shape[-2] == 1:
+    if kernel != "xla" and mesh is not None and mesh.shape.get(TP, 1) > 1 and split:
+        out = _sharded_kernel_dot(x, w, dtype, kernel, split, mesh)
+        if out is not None:
+            return out
+    elif kernel != "xla" and kernel_takes(kernel, x, w.q, w.scale, w.offset, bits=w.bits):
+        return quantized_matmul(x, w.q, w.scale, w.offset, bits=w.bits, backend=kernel,
+                                out_dtype=dtype)
+    if kernel == "cpu" and w.bits == 8 and w.scale.shape[-2] == 1:
         return _int8_dot(x, w.q, w.scale[0], 0).astype(dtype)
     return x @ w.dequantize(dtype)
 
 
-def embedding_logits(hidden, table, dtype, *, integer_dot: bool):
-    """f32[T, V] logits of hidden[T, E] against a [V, E] table (tied LM head)."""
-    if isinstance(table, QuantizedEmbedding):
-        if integer_dot:
-            return _int8_dot(hidden, table.q, table.scale, 1)
-        w = table.q.astype(dtype) * table.scale[:, None].astype(dtype)
-        return jnp.einsum("te,ve->tv", hidden, w).astype(jnp.float32)
+TP = "tp"  # the tensor-parallel mesh axis (jaxkv.sharding)
+
+
+def _sharded_kernel_dot(x, w: QuantizedWeight, dtype, kernel: str, split: str, mesh):
+    """``x @ w`` with the kernel run per shard of ``mesh`` (None if a shard's shapes are ones
+    the kernel refuses). Specs follow `jaxkv.sharding.param_spec`: a row-split weight's
+    scales stay whole when its groups do not divide over the devices."""
+    from jax.sharding import PartitionSpec as P
+
+    tp = mesh.shape[TP]
+    if split == "column":
+        x_spec, w_spec, g_spec, out_spec = P(), P(None, TP), P(None, TP), P(None, TP)
+    else:
+        x_spec, w_spec, out_spec = P(None, TP), P(TP, None), P()
+        g_spec = P(TP, None) if w.scale.shape[0] % tp == 0 else P()
+
+    def local(a, spec):
+        return jax.ShapeDtypeStruct(tuple(n // tp if ax == TP else n
+                                          for n, ax in zip(a.shape, (*spec, None, None),
+                                                           strict=False)), a.dtype)
+
+    offset = None if w.offset is None else local(w.offset, g_spec)
+    if not kernel_takes(kernel, local(x, x_spec), local(w.q, w_spec), local(w.scale, g_spec),
+                        offset, bits=w.bits):
+        return None
+
+    def body(x, q, scale, offset):
+        y = quantized_matmul(x, q, scale, offset, bits=w.bits, backend=kernel,
+                             out_dtype=jnp.float32)
+        return (y if split == "column" else jax.lax.psum(y, TP)).astype(dtype)
+
+    g = None if w.offset is None else g_spec
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, g_spec, g),
+                       out_specs=out_spec, check_vma=False)
+    return fn(x, w.q, w.scale, w.offset)
+
+
+def embedding_logits(hidden, table, dtype, *, kernel: str, mesh=None):
+    """f32[T, V] logits of hidden[T, E] against the embedding (the tied LM head): a float
+    [V, E] table, or a quantized one in its [E, V] layout."""
+    if isinstance(table, QuantizedWeight):
+        return qdot(hidden, table, dtype, kernel=kernel, split="column",
+                    mesh=mesh).astype(jnp.float32)
     # Contract against the [V, E] table directly: `table.T` would copy it every step.
     return jnp.einsum("...e,ve->...v", hidden, table.astype(dtype)).astype(jnp.float32)
 
 
 def embed_lookup(table, tokens, dtype):
-    if isinstance(table, QuantizedEmbedding):
-        return table.lookup(tokens, dtype)
+    """[T, E] embeddings of ``tokens``: rows of a float [V, E] table, or the dequantized
+    columns of a quantized [E, V] one (only the gathered columns are dequantized)."""
+    if isinstance(table, QuantizedWeight):
+        def cols(a):
+            return None if a is None else a[:, tokens]
+        picked = QuantizedWeight(cols(table.q), cols(table.scale), cols(table.offset), table.bits)
+        return picked.dequantize(dtype).T
     return table[tokens].astype(dtype)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxkv.attention import check_attention_impl, paged_attention
+from jaxkv.attention import check_attention_impl, kernel_for, paged_attention
 from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, write_kv
 from jaxkv.runtime.batch import StepBatch
@@ -98,6 +98,16 @@ def decode_loop_batch(rows: Sequence[LoopRow], table: np.ndarray, eos_token_ids,
         num_steps=np.int32(num_steps))
 
 
+def _merge(graphdef, params, impl: str, mesh):
+    """The model for a step: compiled for another chip ("pallas-gpu"/"pallas-tpu"), its
+    quantized weights take that chip's matmul kernel too; with a mesh, they run per shard."""
+    model = nnx.merge(graphdef, params)
+    if impl in ("pallas-gpu", "pallas-tpu"):
+        model.kernel_platform = kernel_for(impl)
+    model.mesh = mesh
+    return model
+
+
 def _check_state(state: PagedKVState, model) -> None:
     """Raises KVStateError if `state` cannot hold this model's KV."""
     state.validate()
@@ -141,7 +151,7 @@ def _keep_layout(state, mesh):
 
 def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch, keys,
           sampling: SamplingArrays):
-    model = nnx.merge(graphdef, params)
+    model = _merge(graphdef, params, impl, mesh)
     _check_state(state, model)  # at trace time: a new shape or dtype retraces
     hidden, (kv_pages, kv_scales) = _forward(
         model, impl, mesh, (state.kv_pages, state.kv_scales), batch.tokens, batch.positions,
@@ -156,7 +166,7 @@ def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBat
 
 def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: PagedKVState,
                  loop: DecodeLoopBatch):
-    model = nnx.merge(graphdef, params)
+    model = _merge(graphdef, params, impl, mesh)
     _check_state(state, model)
     r = loop.tokens.shape[0]
     s, p = state.page_size, state.num_pages

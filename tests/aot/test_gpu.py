@@ -12,6 +12,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from tools import aot_gpu, aot_kernels, aot_steps
 
+from pallas_kernels.gpu_quant_matmul import quantized_matmul_gpu
+
 COLUMNS = ["kernel", "precision", "warps", "grid", "registers", "spill B (st/ld)",
            "shared KiB", "compile s"]
 
@@ -63,6 +65,61 @@ def test_engine_step_kernels_fit_sm90(case, table):
         table("Triton kernels of the engine steps, sm_90 (attention_impl='pallas-gpu')",
               ["step"] + COLUMNS, [case.name] + _row(r.name, case.dtype, r))
         assert not r.problems()
+
+
+QUANT_STEPS = [
+    aot_steps.StepCase("llama-3.2-1b", "decode", 1.0, 64, 64, 4096, quantization="int4-g128"),
+    aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096, quantization="int4-g32"),
+    aot_steps.StepCase("llama-3-8b", "decode", 2.0, 128, 128, 8192, quantization="int8"),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(s, id=s.name.replace(" ", "-"))
+                                  for s in QUANT_STEPS])
+def test_quantized_engine_step_kernels_fit_sm90(case, table):
+    """The real step with quantized weights: the attention kernel and one weight-only matmul
+    kernel per linear (the 8B's untied LM head too), each through ptxas with no spills."""
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-gpu")
+    reports = [aot_gpu.compile_call(c) for c in aot_gpu.triton_calls(step, params, state, *inputs)]
+    c = aot_steps.config_of(case.model)
+    e, f, hd, kd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, \
+        c.num_kv_heads * c.head_dim
+    shapes = {(e, hd), (e, kd), (hd, e), (e, f), (f, e)} | (
+        set() if c.tie_word_embeddings else {(e, c.vocab_size)})
+    # The lowering keeps one copy of each distinct kernel: one per distinct (I, O) of a linear.
+    names = [r.name for r in reports]
+    assert names.count("quantized_matmul_gpu") == len(shapes), names
+    assert len(names) == len(shapes) + 1  # and the attention kernel
+    for r in reports:
+        table("Triton kernels of the engine steps, sm_90 (attention_impl='pallas-gpu')",
+              ["step"] + COLUMNS, [case.name] + _row(r.name, case.dtype, r))
+        assert not r.problems()
+
+
+# Weight-only quantized matmul (pallas_kernels/gpu_quant_matmul.py) at Llama-3-8B shapes
+# (I, O): gate/up, down, the LM head, and a vocabulary that is not a multiple of the 128-column
+# tile (masked loads and stores); decode T = 1 and 16 (split-K), prefill T = 512; bf16 x.
+QUANT_SHAPES = {"gate-up": (4096, 14336), "down": (14336, 4096), "lm-head": (4096, 128256)}
+QUANT_SCHEMES = {"int8": (8, None), "int4-g128": (4, 128), "int4-g32": (4, 32)}
+QUANT_CASES = [(shape, scheme, t) for shape in QUANT_SHAPES for scheme in QUANT_SCHEMES
+               for t in (1, 16, 512)] + [("vocab-50257", "int4-g128", 1)]
+
+
+@pytest.mark.parametrize("shape, scheme, tokens", [
+    pytest.param(*c, id=f"quant-{c[0]}-{c[1]}-T{c[2]}") for c in QUANT_CASES])
+def test_quantized_matmul_fits_sm90(shape, scheme, tokens, table):
+    i, o = QUANT_SHAPES.get(shape, (4096, 50257))
+    bits, group = QUANT_SCHEMES[scheme]
+    groups = 1 if group is None else i // group
+    q = jax.ShapeDtypeStruct((i * bits // 8, o), jnp.int8 if bits == 8 else jnp.uint8)
+    scale = jax.ShapeDtypeStruct((groups, o), jnp.float32)
+    args = [jax.ShapeDtypeStruct((tokens, i), jnp.bfloat16), q, scale]
+    [r] = aot_gpu.kernel_reports(lambda *a: quantized_matmul_gpu(*a, bits=bits),
+                                 *args, *([scale] if bits == 4 else []))
+    table("Weight-only quantized matmul, sm_90 (Triton -> PTX -> ptxas -v)",
+          ["case", "I x O"] + COLUMNS, [f"{scheme} T={tokens} {shape}", f"{i} x {o}"]
+          + _row(r.name, "bfloat16", r))
+    assert not r.problems()
 
 
 def test_ptxas_check_sees_spills():

@@ -5,12 +5,14 @@ quantized pages, their scales).
     JAXKV_AOT=1 python -m pytest tests/aot/test_tpu.py [-m slow]    (``make test-aot``)
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from tools import aot_kernels, aot_steps, aot_tpu
+from tools import aot_kernels, aot_quant_tpu, aot_steps, aot_tpu
 
 from pallas_kernels import tpu_block_sizes
 from pallas_kernels.tpu_ragged_kernel import table_window
@@ -123,6 +125,27 @@ def test_compile_is_real_oversized_vmem_fails():
         aot_tpu.compile_for("v5e", lambda x: f(x, 1024), x)  # 512 MiB > v5e's 128 MiB
 
 
+
+@pytest.mark.parametrize("chip, case", [
+    pytest.param(chip, case, id=f"{chip}-quant-{case.name}",
+                 marks=() if in_ci else (pytest.mark.slow,))
+    for chip, case, in_ci in aot_quant_tpu.chip_cases(aot_tpu.CHIPS)])
+def test_quant_matmul_reads_the_weight_as_integers(chip, case, table):
+    """The weight-only quantized matmul (tpu_quant_matmul.py) at Llama-3-8B shapes: one Mosaic
+    kernel within scoped VMEM, and no float weight in HBM: no copy of the integer weight, and
+    no temporary as large as it. The one copy XLA makes is x's (int4: columns reordered
+    [even | odd] per block), which bounds the temporaries."""
+    args = [None if s is None else aot_tpu.abstract(chip, s.shape, s.dtype)
+            for s in case.shapes()]
+    r = aot_tpu.compile_for(chip, case.fn(), *args)
+    table("Weight-only quantized matmul on TPU (tpu_quant_matmul)", aot_quant_tpu.COLUMNS,
+          aot_quant_tpu.row(chip, case, r))
+    weight = case.weight_bytes()
+    assert len(r.vmem_bytes) == 1 and max(r.vmem_bytes) <= SCOPED_VMEM[chip]
+    assert r.temp_bytes < weight and r.largest_copy() < weight, r.copies
+    assert r.temp_bytes <= case.x_bytes() + MiB and r.largest_copy() <= case.x_bytes()
+    assert not [c for c in r.copies if c.shape.startswith(("s8[", "u8["))], r.copies
+
 STEPS = [
     # head_dim 64 (Llama-3.2-1B shape) and head_dim 128 (Llama-3.2-3B), 1 GiB of bf16 KV.
     ("v5e", aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096)),
@@ -163,6 +186,41 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
         scales = state.kv_scales.size * 4
         i32_copies = [c for c in r.copies if c.shape.startswith("s32[")]
         assert all(c.nbytes < 0.1 * scales for c in i32_copies), i32_copies
+
+
+QUANT_STEPS = [
+    # Weights kept quantized: each linear of the layer scan through the Mosaic weight-only
+    # kernel (tied LM heads through XLA's int8 dot; the 8B's untied head through the kernel).
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "decode", 1.0, 64, 64, 4096,
+                               quantization="int4-g128")),
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096,
+                               quantization="int4-g32")),
+    ("v6e", aot_steps.StepCase("llama-3-8b", "decode", 2.0, 128, 128, 8192,
+                               quantization="int8")),
+]
+
+
+@pytest.mark.parametrize("chip, case", [pytest.param(c, s, id=f"{c}-{s.name}".replace(" ", "-"))
+                                        for c, s in QUANT_STEPS])
+def test_quantized_engine_step_reads_integer_weights(chip, case, table):
+    """The real step with quantized weights: one Mosaic kernel per linear (and the attention
+    kernel), no copy of a packed weight, the pool still updated in place."""
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
+    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
+    pool = aot_steps.pool_bytes(state)
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
+           f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
+           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    tied = aot_steps.config_of(case.model).tie_word_embeddings
+    assert len(r.vmem_bytes) == 1 + 7 + (0 if tied else 1)
+    assert r.alias_bytes >= pool
+    # No weight-sized temporary: the same step with float weights needs as much. (The HLO's
+    # u8/s8 `copy`s are a relayout fused into each layer's slice, read into VMEM per layer.)
+    float_case = dataclasses.replace(case, quantization=None)
+    step, params, state, *inputs = aot_steps.step_inputs(float_case, "pallas-tpu")
+    f = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
+    assert r.temp_bytes <= f.temp_bytes + MiB, (r.temp_bytes, f.temp_bytes)
 
 
 def test_int8_step_on_tpu_copies_the_pool_to_write_it(table):

@@ -254,3 +254,35 @@ def test_quantized_weights_split_and_serve_like_one_device(scheme):
     assert ints and all(spec(x).count("tp") == 1 for x in ints)
     total = sum(x.nbytes for x in ints)
     assert sum(bytes_per_device(ints)) == total and max(bytes_per_device(ints)) == total // 2
+
+
+@pytest.mark.parametrize("split", ["column", "row"])
+def test_quantized_kernel_runs_on_each_shard(split):
+    """Under tp=2 the CPU kernel (a custom call, which the partitioner cannot split) runs per
+    device on half the integers, and the result equals one device's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.model.quant import QuantScheme, qdot, quantize
+
+    rng = np.random.default_rng(0)
+    w = jax.tree.map(jax.numpy.asarray,
+                     quantize(rng.standard_normal((256, 128)).astype(np.float32),
+                              QuantScheme(4, 32)))
+    x = jax.numpy.asarray(rng.standard_normal((3, 256)).astype(np.float32))
+    mesh = make_mesh(2)
+    w_spec = P(None, "tp") if split == "column" else P("tp", None)
+    w = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, w_spec)), w)
+
+    def f(x, w):
+        return qdot(x, w, jax.numpy.float32, kernel="cpu", split=split, mesh=mesh)
+
+    hlo = jax.jit(f).lower(x, w).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxkv_quantized_matmul"'
+             in line]
+    local_q = "u8[128,64]" if split == "column" else "u8[64,128]"  # q is u8[128, 128] whole
+    assert calls and all(local_q in c for c in calls), calls
+    gathered = [line for line in hlo.splitlines() if " all-gather(" in line and "= u8[" in line]
+    assert not gathered  # the integers never move
+    want = qdot(x, jax.device_get(w), jax.numpy.float32, kernel="cpu")
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -19,6 +19,7 @@ from jaxkv.cache.memory import PRESETS
 from jaxkv.kv import init_state, kv_bytes_per_token
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import Llama
+from jaxkv.model.quant import QuantScheme
 from jaxkv.runtime.batch import PageTable, padding_batch
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
@@ -38,11 +39,13 @@ class StepCase:
     page_size: int = 16
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": quantized pages with scales
+    quantization: str | None = None  # weights kept quantized ("int8", "int4-g128", ...)
 
     @property
     def name(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
-        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}"
+        w = "" if self.quantization is None else f" w={self.quantization}"
+        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}{w}"
 
 
 def config_of(preset: str) -> ModelConfig:
@@ -56,11 +59,14 @@ def config_of(preset: str) -> ModelConfig:
 
 
 @functools.cache
-def abstract_model(preset: str, dtype: str):
-    """(graphdef, abstract params) of a scanned-layer Llama with ``preset``'s shape."""
+def abstract_model(preset: str, dtype: str, quantization: str | None = None):
+    """(graphdef, abstract params) of a scanned-layer Llama with ``preset``'s shape, its
+    weights quantized as ``quantization`` names (None: float)."""
     dt = jnp.dtype(dtype)
+    scheme = QuantScheme.parse(quantization)
     module = nnx.eval_shape(lambda: Llama(config_of(preset), dtype=dt, param_dtype=dt,
-                                          scan_layers=True, rngs=nnx.Rngs(0)))
+                                          scan_layers=True, rngs=nnx.Rngs(0),
+                                          quantization=scheme))
     graphdef, params = nnx.split(module)
     return graphdef, params
 
@@ -73,7 +79,7 @@ def num_pages(case: StepCase) -> int:
 
 def _abstract_state(case: StepCase):
     """(graphdef, abstract params, abstract KV state, pages, page-table width) of a case."""
-    graphdef, params = abstract_model(case.model, case.dtype)
+    graphdef, params = abstract_model(case.model, case.dtype, case.quantization)
     config = config_of(case.model)
     pages = num_pages(case)
     state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,

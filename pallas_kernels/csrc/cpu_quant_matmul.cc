@@ -1,0 +1,342 @@
+// Weight-only quantized matmul for XLA:CPU: y[T, O] = x[T, I] @ dequant(q)[I, O], read as integers.
+//
+// XLA:CPU has no fused int4 dot, and it materializes a converted weight before a float dot, so
+// a quantized weight would be slower than fp32 there. This kernel reads the integers once:
+// x is quantized per token and per block of 32 inputs to int8 (as llama.cpp's Q8_0 does), the
+// products accumulate in int32 per block (AVX-512 VNNI: vpdpbusd, 64 multiply-adds per
+// instruction), and each block's sum is scaled in float:
+//
+//   y[t, o] = sum_g scale[g, o] * sum_{b in g} xs[t, b] * sum_{i in b} xq[t, i] * q[i, o]
+//             + sum_g offset[g, o] * sum_{i in g} x[t, i]
+//
+// The offset term uses the float x, so only x's rounding to int8 differs from the reference.
+// Weight layouts (pallas_kernels/quant_matmul.py): int4 u8[I/2, O], byte row r holding input
+// rows 2r (low nibble) and 2r + 1 (high nibble), values 0..15 with an offset; int8 i8[I, O],
+// symmetric. scale/offset f32 or f16 [G, O], G = I / group_size, group_size a multiple of 32.
+//
+// Loop order: columns are split into chunks across XLA's intra-op threads; within a chunk, for
+// each block of 32 inputs (a panel of 16 or 32 weight rows) the chunk's columns are swept 64
+// at a time, so every weight row is read left to right (the rows of one column strip lie O
+// bytes apart, too far for the hardware prefetcher when O is an LM head's vocabulary). Up to
+// 4 tokens share each weight load; more tokens take more passes over the chunk, whose weights
+// then come from cache. Without AVX-512 VNNI a portable loop computes the same integer sums.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlock = 32;      // inputs per activation scale
+constexpr int kLanes = 16;      // outputs per 512-bit vector
+constexpr int kMaxTokens = 4;   // tokens sharing each weight load
+constexpr int kMaxChunk = 512;  // columns per chunk (per-chunk float sums live on the stack)
+
+struct Problem {
+  int64_t tokens, inputs, outputs, group;
+  int bits;
+  bool half_scales;       // scale/offset are f16 (else f32)
+  const uint8_t* q;       // int4: u8[I/2, O]; int8: i8[I, O] (as bytes)
+  const void* scale;      // [G, O]
+  const void* offset;     // [G, O] or nullptr
+  const int8_t* xq;       // [T, I] int8 activations (int4 path)
+  const uint8_t* xu;      // [T, I] int8 activations + 128 (int8 path: vpdpbusd's unsigned side)
+  const float* xs;        // [T, I/32] activation scales
+  const float* xsum;      // [T, G] float sums of x per group (offset term)
+  float* y;               // [T, O]
+};
+
+bool HasVnni() {
+  // JAXKV_CPU_PORTABLE=1 forces the portable loop (tests run both paths on one machine).
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
+                         !std::getenv("JAXKV_CPU_PORTABLE");
+  return ok;
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(man), -24);
+  } else if (exp == 31) {
+    f = man ? NAN : INFINITY;
+  } else {
+    f = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits |= sign;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float LoadScale(const Problem& p, const void* base, int64_t index) {
+  return p.half_scales ? HalfToFloat(static_cast<const uint16_t*>(base)[index])
+                       : static_cast<const float*>(base)[index];
+}
+
+#define JAXKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+JAXKV_AVX512 inline __m512 LoadScales(const Problem& p, const void* base, int64_t index) {
+  if (p.half_scales)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + index)));
+  return _mm512_loadu_ps((const float*)base + index);
+}
+
+// f[t, o .. o + 16 NJ] += xs[t, b] * (integer sums of block b) for NT tokens from t0.
+template <int BITS, int NJ, int NT>
+JAXKV_AVX512 void Block(const Problem& p, int64_t b, int64_t o, int64_t t0, float* f,
+                        int64_t f_stride) {
+  const int64_t O = p.outputs, nblocks = p.inputs / kBlock;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[NT][NJ];
+  __m512i wsum[NJ];
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < NJ; ++j) acc[t][j] = _mm512_setzero_si512();
+  for (int j = 0; j < NJ; ++j) wsum[j] = _mm512_setzero_si512();
+  for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i += 4) {
+    __m512i w[NJ];
+    if constexpr (BITS == 4) {  // byte rows i/2 and i/2 + 1 hold inputs i .. i + 3
+      const uint8_t* r0 = p.q + (i / 2) * O + o;
+      for (int j = 0; j < NJ; ++j) {
+        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + 16 * j)));
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + O + 16 * j)));
+        __m512i v = _mm512_or_si512(a, _mm512_slli_epi32(c, 16));
+        __m512i lo = _mm512_and_si512(v, nibbles);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
+        w[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));  // bytes: inputs i .. i + 3
+      }
+      for (int t = 0; t < NT; ++t) {
+        int32_t x4;
+        std::memcpy(&x4, p.xq + (t0 + t) * p.inputs + i, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int j = 0; j < NJ; ++j) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], w[j], xv);
+      }
+    } else {  // int8 rows i .. i + 3; x + 128 is the unsigned side, sum(w) undoes the 128
+      const uint8_t* r0 = p.q + i * O + o;
+      for (int j = 0; j < NJ; ++j) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + 16 * j)));
+        for (int k = 1; k < 4; ++k) {
+          __m512i rk =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + k * O + 16 * j)));
+          v = _mm512_or_si512(v, _mm512_slli_epi32(rk, 8 * k));
+        }
+        w[j] = v;
+        wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, v);
+      }
+      for (int t = 0; t < NT; ++t) {
+        int32_t x4;
+        std::memcpy(&x4, p.xu + (t0 + t) * p.inputs + i, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int j = 0; j < NJ; ++j) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv, w[j]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const __m512 s = _mm512_set1_ps(p.xs[(t0 + t) * nblocks + b]);
+    for (int j = 0; j < NJ; ++j) {
+      __m512i a = acc[t][j];
+      if constexpr (BITS == 8) a = _mm512_sub_epi32(a, _mm512_slli_epi32(wsum[j], 7));
+      float* ft = f + t * f_stride + 16 * j;
+      _mm512_storeu_ps(ft, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, _mm512_loadu_ps(ft)));
+    }
+  }
+}
+
+// Columns [o0, o1) (at most kMaxChunk) for NT tokens from t0: block by block, the chunk's
+// columns swept 64 at a time; at each group's end its float sums are scaled into y.
+template <int BITS, int NT>
+JAXKV_AVX512 void Chunk(const Problem& p, int64_t o0, int64_t o1, int64_t t0) {
+  const int64_t O = p.outputs, width = o1 - o0, groups = p.inputs / p.group;
+  const int64_t blocks_per_group = p.group / kBlock;
+  alignas(64) float y[NT][kMaxChunk] = {};
+  alignas(64) float f[NT][kMaxChunk];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int t = 0; t < NT; ++t) std::fill(f[t], f[t] + width, 0.f);
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      int64_t o = o0;
+      for (; o + 4 * kLanes <= o1; o += 4 * kLanes)
+        Block<BITS, 4, NT>(p, b, o, t0, &f[0][o - o0], kMaxChunk);
+      for (; o < o1; o += kLanes) Block<BITS, 1, NT>(p, b, o, t0, &f[0][o - o0], kMaxChunk);
+    }
+    for (int64_t o = o0; o < o1; o += kLanes) {
+      const __m512 sc = LoadScales(p, p.scale, g * O + o);
+      const __m512 off = p.offset ? LoadScales(p, p.offset, g * O + o) : _mm512_setzero_ps();
+      for (int t = 0; t < NT; ++t) {
+        float* yt = &y[t][o - o0];
+        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(&f[t][o - o0]), sc, _mm512_load_ps(yt));
+        if (p.offset) v = _mm512_fmadd_ps(off, _mm512_set1_ps(p.xsum[(t0 + t) * groups + g]), v);
+        _mm512_store_ps(yt, v);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) std::memcpy(p.y + (t0 + t) * O + o0, y[t], width * sizeof(float));
+}
+
+template <int BITS>
+void ChunkAllTokens(const Problem& p, int64_t o0, int64_t o1) {
+  for (int64_t t0 = 0; t0 < p.tokens; t0 += kMaxTokens) {
+    switch (std::min<int64_t>(kMaxTokens, p.tokens - t0)) {
+      case 1: Chunk<BITS, 1>(p, o0, o1, t0); break;
+      case 2: Chunk<BITS, 2>(p, o0, o1, t0); break;
+      case 3: Chunk<BITS, 3>(p, o0, o1, t0); break;
+      default: Chunk<BITS, 4>(p, o0, o1, t0); break;
+    }
+  }
+}
+
+// The same sums without vector extensions (any x86-64 CPU).
+void ChunkPortable(const Problem& p, int64_t o0, int64_t o1) {
+  const int64_t O = p.outputs, nblocks = p.inputs / kBlock, groups = p.inputs / p.group;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    for (int64_t o = o0; o < o1; ++o) {
+      float y = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float f = 0.f;
+        for (int64_t b = g * p.group / kBlock; b < (g + 1) * p.group / kBlock; ++b) {
+          int32_t acc = 0;
+          for (int64_t i = b * kBlock; i < (b + 1) * kBlock; ++i) {
+            int32_t w;
+            if (p.bits == 4) {
+              const uint8_t byte = p.q[(i / 2) * O + o];
+              w = (i & 1) ? (byte >> 4) : (byte & 15);
+            } else {
+              w = static_cast<int8_t>(p.q[i * O + o]);
+            }
+            acc += w * (p.bits == 4 ? p.xq[t * p.inputs + i]
+                                    : static_cast<int32_t>(p.xu[t * p.inputs + i]) - 128);
+          }
+          f += p.xs[t * nblocks + b] * static_cast<float>(acc);
+        }
+        y += f * LoadScale(p, p.scale, g * O + o);
+        if (p.offset) y += LoadScale(p, p.offset, g * O + o) * p.xsum[t * groups + g];
+      }
+      p.y[t * O + o] = y;
+    }
+  }
+}
+
+void Columns(const Problem& p, int64_t o0, int64_t o1) {
+  if (!HasVnni()) return ChunkPortable(p, o0, o1);
+  if (p.bits == 4) return ChunkAllTokens<4>(p, o0, o1);
+  ChunkAllTokens<8>(p, o0, o1);
+}
+
+// Activations to int8 per block of 32 (absmax), their scales, and float sums per group.
+void QuantizeActivations(const float* x, int64_t tokens, int64_t inputs, int64_t group,
+                         std::vector<int8_t>& xq, std::vector<uint8_t>& xu,
+                         std::vector<float>& xs, std::vector<float>& xsum) {
+  const int64_t nblocks = inputs / kBlock, groups = inputs / group;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const float* v = x + t * inputs + b * kBlock;
+      float amax = 0.f;
+      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      xs[t * nblocks + b] = amax / 127.f;
+      for (int k = 0; k < kBlock; ++k) {
+        const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
+        const int32_t c = std::clamp(r, -127, 127);
+        xq[t * inputs + b * kBlock + k] = static_cast<int8_t>(c);
+        xu[t * inputs + b * kBlock + k] = static_cast<uint8_t>(c + 128);
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += x[t * inputs + i];
+      xsum[t * groups + g] = s;
+    }
+  }
+}
+
+// Runs chunk(c) for c in [0, n) on the caller and the pool's threads. Helpers that start after
+// the work is gone return at once, so the caller waits only on chunks already running.
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& chunk) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const std::function<void(int64_t)>* fn = &chunk;
+  auto run = [shared, fn, n]() {
+    for (int64_t c; (c = shared->next.fetch_add(1)) < n;) {
+      (*fn)(c);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([run]() { run(); });
+  run();
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < n; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();  // a helper was descheduled: give it the core
+    }
+  }
+}
+
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, bool has_offset) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("x, q and scale must be 2-D");
+  const int64_t tokens = xd[0], inputs = xd[1], outputs = qd[1], groups = sd[0];
+  if ((bits != 4 && bits != 8) || qd[0] * (8 / bits) != inputs || sd[1] != outputs ||
+      groups <= 0 || inputs % groups || (inputs / groups) % kBlock || outputs % kLanes)
+    return ffi::Error::InvalidArgument("quantized matmul: inconsistent shapes");
+  const bool half = scale.element_type() == ffi::DataType::F16;
+  if ((!half && scale.element_type() != ffi::DataType::F32) ||
+      offset.element_type() != scale.element_type())
+    return ffi::Error::InvalidArgument("quantized matmul: scale/offset must be f32 or f16");
+  const int64_t group = inputs / groups, nblocks = inputs / kBlock;
+  std::vector<int8_t> xq(tokens * inputs);
+  std::vector<uint8_t> xu(tokens * inputs);
+  std::vector<float> xs(tokens * nblocks), xsum(tokens * groups);
+  QuantizeActivations(x.typed_data(), tokens, inputs, group, xq, xu, xs, xsum);
+  const Problem p{tokens, inputs, outputs, group, static_cast<int>(bits), half,
+                  static_cast<const uint8_t*>(q.untyped_data()), scale.untyped_data(),
+                  has_offset ? offset.untyped_data() : nullptr, xq.data(), xu.data(),
+                  xs.data(), xsum.data(), y->typed_data()};
+  // A few chunks per thread, so that a thread slowed by another process does not hold the
+  // others back; each chunk at most kMaxChunk columns.
+  const int64_t units = outputs / kLanes;
+  const int64_t target = std::max<int64_t>(4 * std::max<int64_t>(1, pool.num_threads()),
+                                           (outputs + kMaxChunk - 1) / kMaxChunk);
+  const int64_t per = std::min<int64_t>(kMaxChunk / kLanes, (units + target - 1) / target);
+  const int64_t chunks = (units + per - 1) / per;
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    Columns(p, c * per * kLanes, std::min(outputs, (c + 1) * per * kLanes));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQuantizedMatmul, QuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<bool>("has_offset"));
+
+extern "C" int JaxkvQuantizedMatmulHasVnni() { return HasVnni() ? 1 : 0; }
