@@ -6,6 +6,10 @@ Pages hold keys and values side by side, ``kv_pages[..., :D]`` and ``kv_pages[..
 array the kernels read in place on every backend (``pallas_kernels.layout`` says why).
 Quantized pages (``kv_cache_dtype`` "int8" or "fp8_e4m3") add ``kv_scales``, a key and a value
 scale per token and kv head (``pallas_kernels.quant``), written by the step with the values.
+They hold keys rotated (``k R``, `pallas_kernels.quant.rotate`), which spreads keys' outlier
+channels over the whole head before the per-token scale is taken; attention over them takes
+`rotate_queries` (``(q R) . (k R) = q . k``). R depends on head_dim alone, so the pages mean the
+same under any weights (`update_params`) and in any process that reads them.
 
 The host decides *which* pages a slot owns; the device holds *what* is in them. Transitions are
 pure (`state.replace(...)`) and jitted with the state donated, so XLA updates pages in place.
@@ -26,6 +30,7 @@ from pallas_kernels.quant import (
     is_quantized,
     pages_per_scale_row,
     quantize_kv,
+    rotate,
     scale_rows_shape,
     storage_dtype,
 )
@@ -122,11 +127,12 @@ def write_kv(kv_pages, layer, k_tkd, v_tkd, page_t, offset_t, kv_scales=None):
 
     Token t goes to page ``page_t[t]`` at slot ``offset_t[t]``; a page index >= P (padding
     tokens) is dropped, so padding never touches a page. Quantized pages are written as values
-    and scales (quantized here, once); returns (pages, scales), scales None when unquantized.
+    and scales (quantized here, once; keys rotated first, see `rotate_queries`); returns
+    (pages, scales), scales None when unquantized.
     """
     heads_k = jnp.arange(kv_pages.shape[1], dtype=jnp.int32)[None, :]
     if kv_scales is not None:
-        kv_tk2d, words_tk = quantize_kv(k_tkd, v_tkd, kv_pages.dtype)
+        kv_tk2d, words_tk = quantize_kv(rotate(k_tkd), v_tkd, kv_pages.dtype)
         s = kv_pages.shape[3]
         g = pages_per_scale_row(s)  # the word of slot (p, o) is row p // G, column p % G * S + o
         rows = kv_scales.shape[2]  # a padding token's row is past the array: dropped
@@ -143,3 +149,10 @@ def write_kv(kv_pages, layer, k_tkd, v_tkd, page_t, offset_t, kv_scales=None):
     kv_pages = kv_pages.at[layer, heads_k, page_t[:, None], offset_t[:, None]].set(
         kv_tk2d, mode="drop")
     return kv_pages, kv_scales
+
+
+def rotate_queries(q_thd, kv_scales):
+    """The queries attention over these pages takes: ``q R`` (`pallas_kernels.quant.rotate`, in
+    q's dtype) for quantized pages (``kv_scales`` given), whose keys `write_kv` stored as
+    ``k R``; q itself otherwise. Scores are unchanged: ``(q R) . (k R) = q . k``."""
+    return q_thd if kv_scales is None else rotate(q_thd).astype(q_thd.dtype)

@@ -1,7 +1,8 @@
 """Public paged-attention entry points, dispatching to a backend.
 
 ``backend``: "auto" (the kernel for the default platform: Triton-lowered Pallas on GPU,
-Mosaic on TPU, the jnp reference elsewhere), "gpu", "tpu", or "reference".
+Mosaic on TPU, on CPU the C++ decode kernel and the jnp reference for ragged batches), "gpu",
+"tpu", "cpu", or "reference".
 ``interpret=True`` runs the chosen kernel in Pallas interpret mode, on any platform (the
 TPU kernel under ``pltpu.force_tpu_interpret_mode()``), which is how CPU tests execute
 kernel code. Pages are packed K|V (``layout.py``): ``[K, P, S, 2D]``, or ``[L, K, P, S, 2D]``
@@ -19,6 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.cpu_library import library
+from pallas_kernels.cpu_paged_attention import paged_decode_attention_cpu
+from pallas_kernels.cpu_paged_attention import supports as cpu_supports
 from pallas_kernels.gpu_paged_attention import (
     paged_decode_attention_gpu,
     ragged_paged_attention_gpu,
@@ -33,17 +37,20 @@ from pallas_kernels.tpu_ragged_paged_attention import (
     ragged_paged_attention_tpu,
 )
 
-BACKENDS = ("auto", "gpu", "tpu", "reference")
+BACKENDS = ("auto", "gpu", "tpu", "cpu", "reference")
 
 
 def resolve_backend(backend: str) -> str:
-    """The concrete backend for a name ("auto" looks at jax.default_backend())."""
+    """The concrete backend for a name ("auto" looks at jax.default_backend(); on CPU, "cpu"
+    where the C++ library builds, else "reference")."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
     platform = jax.default_backend()
-    return platform if platform in ("gpu", "tpu") else "reference"
+    if platform in ("gpu", "tpu"):
+        return platform
+    return "cpu" if library() is not None else "reference"
 
 
 def _layer_of(kv_pages, layer):
@@ -97,6 +104,8 @@ def ragged_paged_attention(
 ):
     """Ragged causal attention over paged K/V -> [T, H, D] (see reference.py for semantics)."""
     backend = resolve_backend(backend)
+    if backend == "cpu":  # the CPU kernel is decode-only
+        backend = "reference"
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                   **_scales(kv_pages, kv_scales))
     if backend == "reference":
@@ -131,6 +140,11 @@ def paged_decode_attention(
     backend = resolve_backend(backend)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                   **_scales(kv_pages, kv_scales))
+    if backend == "cpu":
+        if cpu_supports(kv_pages):
+            return paged_decode_attention_cpu(q, kv_pages, page_table, lengths, layer=layer,
+                                              **common)
+        backend = "reference"  # e.g. fp8 pages
     if backend == "reference":
         return paged_decode_attention_reference(q, kv_pages, page_table, lengths,
                                                 layer=_layer_of(kv_pages, layer), **common)

@@ -7,81 +7,37 @@ Q8_0 scheme), products accumulate in int32 per block with AVX-512 VNNI, each blo
 scaled in float (`csrc/cpu_quant_matmul.cc` has the formula), and columns are split over XLA's
 intra-op threads.
 
-The library is compiled on first use with the system C++ compiler against jaxlib's FFI headers
-(``jax.ffi.include_dir()``) into a cache folder (``$JAXKV_CACHE_DIR``, default
-``~/.cache/jaxkv``), keyed by the source's hash; `available` is False where that fails (no
-compiler), and callers fall back to XLA. Without AVX-512 VNNI the library computes the same
-integer sums in portable C++ (slower), and `has_vnni` says so (``JAXKV_CPU_PORTABLE=1`` forces
-that path). Scales and offsets are read as stored if f16 or f32 (others are cast to f32).
+The library is compiled on first use (`pallas_kernels.cpu_library`); `available` is False
+where that fails (no compiler), and callers fall back to XLA. Without AVX-512 VNNI (and VBMI)
+the library computes the same integer sums in portable C++ (slower), and `has_vnni` says so
+(``JAXKV_CPU_PORTABLE=1`` forces that path). Scales and offsets are read as stored if f16 or
+f32 (others are cast to f32).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_library import library
 from pallas_kernels.quant_matmul import check_quantized_weight
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_quant_matmul.cc"
 TARGET = "jaxkv_quantized_matmul"
 BLOCK = 32  # inputs per activation scale: group sizes and I must be multiples of it
 LANES = 16  # outputs per vector: O must be a multiple of it
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXKV_CACHE_DIR") or Path.home() / ".cache" / "jaxkv")
-
-
-def _compile() -> Path:
-    """The shared library for this source, compiled once per source hash and jaxlib."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + jax.ffi.include_dir().encode()
-                            + jax.__version__.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_quant_matmul-{digest}.so"
-    if out.is_file():
-        return out
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise OSError("no C++ compiler (g++ or $CXX) to build the CPU quantized matmul")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # atomic: rename when complete
-        built = Path(tmp) / out.name
-        subprocess.run([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w",
-                        f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)],
-                       check=True, capture_output=True, text=True)
-        os.replace(built, out)
-    return out
-
-
-@functools.cache
-def _library():
-    """The loaded library with its FFI target registered, or None where it cannot be built."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_compile()))
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvQuantizedMatmul),
-                                platform="cpu")
-    return lib
-
-
 def available() -> bool:
     """True where the CPU kernel is built and registered (a C++ compiler was found)."""
-    return _library() is not None
+    return library() is not None
 
 
 def has_vnni() -> bool:
     """True where the library's AVX-512 VNNI path runs (else its portable loop does)."""
-    lib = _library()
+    lib = library()
     return lib is not None and bool(lib.JaxkvQuantizedMatmulHasVnni())
 
 
@@ -108,7 +64,7 @@ def quantized_matmul_cpu(
         raise ValueError(f"quantized_matmul_cpu: needs I and group size multiples of {BLOCK} "
                          f"and O a multiple of {LANES}; got x {list(x.shape)}, q "
                          f"{list(q.shape)}, scale {list(scale.shape)}")
-    if _library() is None:
+    if library() is None:
         raise RuntimeError("quantized_matmul_cpu: the C++ kernel could not be built")
     f32 = jnp.float32
     stored = scale.dtype if scale.dtype in (jnp.float16, f32) else f32

@@ -80,7 +80,7 @@ def test_kv_accuracy_small_run(capsys):
                              "--new-tokens", "8", "--prompts", "1", "--random-prompts", "8"]) == 0
     out = capsys.readouterr().out
     cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()]
-    rows = {c[0]: c[1:] for c in cells if len(c) == 10}
+    rows = {c[0]: c[1:] for c in cells if len(c) == 11}
     assert set(rows) == {"kv dtype", "---", "auto (float32)", "int8", "fp8_e4m3"}
     assert rows["auto (float32)"][:3] == ["0", "0", "0"]
     assert 0 < float(rows["int8"][0]) < 0.5  # max abs logit error

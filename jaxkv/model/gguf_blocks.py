@@ -27,8 +27,9 @@ LOW_BITS = ("Q4_K", "Q3_K", "Q2_K")  # repacked to int4 group 32; the rest to in
 
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
-    """f32[...] from the trailing 2-byte axis of a u8[..., 2] array (little-endian f16)."""
-    return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
+    """f16[...] from the trailing 2-byte axis of a u8[..., 2] array (little-endian f16): kept
+    in 16 bits, as jaxkv stores scales (exactly the file's)."""
+    return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0]
 
 
 def kept_weight(blocks: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
@@ -42,9 +43,9 @@ def kept_weight(blocks: np.ndarray, kind: str, shape: tuple[int, int]) -> Quanti
     first = 4 if kind == "Q4_1" else 2
     nibbles = blocks[..., first:]  # [out, in/32, 16]
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(out, inputs)
-    offset = _f16(blocks[..., 2:4]) if kind == "Q4_1" else -8.0 * d
+    offset = _f16(blocks[..., 2:4]) if kind == "Q4_1" else d * np.float16(-8)  # exact
     return QuantizedWeight(pack_int4(q.T), np.ascontiguousarray(d.T),
-                           np.ascontiguousarray(offset.T.astype(np.float32)), 4)
+                           np.ascontiguousarray(offset.T), 4)
 
 
 def nearest_weight(w_hf: np.ndarray, kind: str) -> QuantizedWeight:

@@ -79,8 +79,8 @@ class QuantizedWeight:
     """A quantized [..., I, O] linear weight (leading axes: stacked layers)."""
 
     q: jax.Array  # i8[..., I, O] (8 bits), u8[..., I/2, O] (4 bits: row 2i low nibble, 2i+1 high)
-    scale: jax.Array  # f32[..., G, O]
-    offset: jax.Array | None  # f32[..., G, O] (4 bits), None (8 bits: symmetric)
+    scale: jax.Array  # f16[..., G, O] (f32 where a checkpoint's values need it: AWQ/GPTQ)
+    offset: jax.Array | None  # like scale (4 bits), None (8 bits: symmetric)
     bits: int = dataclasses.field(metadata=dict(static=True), default=8)
 
     @property
@@ -101,9 +101,9 @@ class QuantizedWeight:
         *lead, rows, cols = self.shape
         groups = self.scale.shape[-2]
         w = q.reshape(*lead, groups, rows // groups, cols).astype(jnp.float32)
-        w = w * self.scale[..., None, :]
+        w = w * self.scale[..., None, :].astype(jnp.float32)
         if self.offset is not None:
-            w = w + self.offset[..., None, :]
+            w = w + self.offset[..., None, :].astype(jnp.float32)
         return w.reshape(*lead, rows, cols).astype(dtype)
 
 
@@ -118,10 +118,10 @@ def placeholder_weight(shape, scheme: QuantScheme) -> QuantizedWeight:
     groups = 1 if scheme.group_size is None else rows // scheme.group_size
     if scheme.bits == 8:
         return QuantizedWeight(jnp.zeros(shape, jnp.int8),
-                               jnp.ones((*lead, groups, cols), jnp.float32), None, 8)
+                               jnp.ones((*lead, groups, cols), jnp.float16), None, 8)
     return QuantizedWeight(jnp.zeros((*lead, rows // 2, cols), jnp.uint8),
-                           jnp.ones((*lead, groups, cols), jnp.float32),
-                           jnp.zeros((*lead, groups, cols), jnp.float32), 4)
+                           jnp.ones((*lead, groups, cols), jnp.float16),
+                           jnp.zeros((*lead, groups, cols), jnp.float16), 4)
 
 
 def placeholder_embedding(shape) -> QuantizedWeight:
@@ -147,6 +147,15 @@ def quantize(w, scheme: QuantScheme) -> QuantizedWeight:
     return _quantize(w, scheme)
 
 
+def _half(x, up: bool) -> np.ndarray:
+    """``x`` as float16, rounded toward +inf (``up``) or -inf instead of to nearest: the
+    scales and offsets are stored in 16 bits (GGUF's own are), and directed rounding keeps
+    every weight inside the grid they span, so rounding error stays at most half a step."""
+    h = np.asarray(x, np.float32).astype(np.float16)
+    off = h.astype(np.float32) < x if up else h.astype(np.float32) > x
+    return np.where(off, np.nextafter(h, np.float16(np.inf if up else -np.inf)), h)
+
+
 def _quantize(w, scheme: QuantScheme) -> QuantizedWeight:
     w = np.asarray(w, np.float32)
     *lead, rows, cols = w.shape
@@ -156,15 +165,16 @@ def _quantize(w, scheme: QuantScheme) -> QuantizedWeight:
                          f"the group size {group}")
     g = w.reshape(*lead, rows // group, group, cols)
     if scheme.bits == 8:
-        scale = np.abs(g).max(axis=-2) / 127.0
-        scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-        q = np.clip(np.rint(g / scale[..., None, :]), -127, 127).astype(np.int8)
-        return QuantizedWeight(q.reshape(w.shape), scale, None, 8)
-    low, high = g.min(axis=-2), g.max(axis=-2)
-    scale = ((high - low) / 15.0).astype(np.float32)
-    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    q = np.clip(np.rint((g - low[..., None, :]) / scale[..., None, :]), 0, 15).astype(np.uint8)
-    return QuantizedWeight(pack_int4(q.reshape(w.shape)), scale, low.astype(np.float32), 4)
+        scale = _half(np.abs(g).max(axis=-2) / 127.0, up=True)
+        scale = np.where(scale == 0, np.float16(1), scale)
+        q = np.clip(np.rint(g / scale[..., None, :].astype(np.float32)), -127, 127)
+        return QuantizedWeight(q.astype(np.int8).reshape(w.shape), scale, None, 8)
+    low = _half(g.min(axis=-2), up=False)
+    scale = _half((g.max(axis=-2) - low.astype(np.float32)) / 15.0, up=True)
+    scale = np.where(scale == 0, np.float16(1), scale)
+    q = np.rint((g - low[..., None, :].astype(np.float32)) / scale[..., None, :].astype(np.float32))
+    q = np.clip(q, 0, 15).astype(np.uint8)
+    return QuantizedWeight(pack_int4(q.reshape(w.shape)), scale, low, 4)
 
 
 def pack_int4(q):
@@ -199,7 +209,7 @@ def _int8_dot(x, q, scale, contract: int):
         xq = jnp.pad(xq, ((0, 1), (0, 0)))
     acc = jax.lax.dot_general(xq, q, (((1,), (contract,)), ((), ())),
                               preferred_element_type=jnp.int32)[:rows]
-    return acc.astype(jnp.float32) * x_scale * scale
+    return acc.astype(jnp.float32) * x_scale * scale.astype(jnp.float32)
 
 
 MATMUL_KERNELS = ("cpu", "gpu", "tpu", "xla")

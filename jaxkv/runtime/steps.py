@@ -32,7 +32,7 @@ from flax import nnx, struct
 
 from jaxkv.attention import check_attention_impl, kernel_for, paged_attention
 from jaxkv.errors import KVStateError
-from jaxkv.kv import PagedKVState, write_kv
+from jaxkv.kv import PagedKVState, rotate_queries, write_kv
 from jaxkv.runtime.batch import StepBatch
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens, token_logprobs
 from jaxkv.sharding import kv_sharding, sharded_attention
@@ -126,8 +126,9 @@ def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offset
     def attend(q, k, v, kv, layer, write_pages, write_offsets, page_table, kv_lens,
                cu_q_lens, num_seqs):
         kv_pages, kv_scales = write_kv(kv[0], layer, k, v, write_pages, write_offsets, kv[1])
-        out = paged_attention(
-            q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
+        out = paged_attention(  # quantized pages hold rotated keys: q is rotated alike
+            rotate_queries(q, kv_scales), kv_pages, layer, page_table, kv_lens, cu_q_lens,
+            num_seqs,
             decode=decode, sm_scale=c.sm_scale, sliding_window=c.sliding_window,
             impl=impl, kv_scales=kv_scales,
         )

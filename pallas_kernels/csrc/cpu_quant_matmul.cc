@@ -43,7 +43,9 @@ namespace {
 constexpr int kBlock = 32;      // inputs per activation scale
 constexpr int kLanes = 16;      // outputs per 512-bit vector
 constexpr int kMaxTokens = 4;   // tokens sharing each weight load
+constexpr int kPrefetchAhead = 128;  // bytes ahead in a weight row (two column groups)
 constexpr int kMaxChunk = 512;  // columns per chunk (per-chunk float sums live on the stack)
+constexpr int64_t kMinChunkBytes = 64 << 10;  // weight bytes read per chunk, at least
 
 struct Problem {
   int64_t tokens, inputs, outputs, group;
@@ -63,6 +65,7 @@ bool HasVnni() {
   // JAXKV_CPU_PORTABLE=1 forces the portable loop (tests run both paths on one machine).
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
+                         __builtin_cpu_supports("avx512vbmi") &&
                          !std::getenv("JAXKV_CPU_PORTABLE");
   return ok;
 }
@@ -89,7 +92,8 @@ float LoadScale(const Problem& p, const void* base, int64_t index) {
                        : static_cast<const float*>(base)[index];
 }
 
-#define JAXKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+#define JAXKV_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")))
 
 JAXKV_AVX512 inline __m512 LoadScales(const Problem& p, const void* base, int64_t index) {
   if (p.half_scales)
@@ -97,53 +101,106 @@ JAXKV_AVX512 inline __m512 LoadScales(const Problem& p, const void* base, int64_
   return _mm512_loadu_ps((const float*)base + index);
 }
 
+// Four byte rows' 64 columns each -> w[j] (j = 0..3): dword n of w[j] holds the four rows'
+// bytes of column 16 j + n (row 0 in its low byte), what vpdpbusd multiplies against four
+// inputs. Byte unpacks interleave within 128-bit lanes; the columns are first permuted
+// (vpermb) so that the unpacked dwords come out in column order.
+JAXKV_AVX512 inline void Interleave4(__m512i a, __m512i b, __m512i c, __m512i d, __m512i w[4]) {
+  const __m512i ab_lo = _mm512_unpacklo_epi8(a, b), ab_hi = _mm512_unpackhi_epi8(a, b);
+  const __m512i cd_lo = _mm512_unpacklo_epi8(c, d), cd_hi = _mm512_unpackhi_epi8(c, d);
+  w[0] = _mm512_unpacklo_epi16(ab_lo, cd_lo);
+  w[1] = _mm512_unpackhi_epi16(ab_lo, cd_lo);
+  w[2] = _mm512_unpacklo_epi16(ab_hi, cd_hi);
+  w[3] = _mm512_unpackhi_epi16(ab_hi, cd_hi);
+}
+
+// Byte k of 128-bit lane L takes column 16 (k / 4) + 4 L + k % 4 (see Interleave4).
+JAXKV_AVX512 inline __m512i ColumnOrder() {
+  alignas(64) uint8_t idx[64];
+  for (int lane = 0; lane < 4; ++lane)
+    for (int k = 0; k < 16; ++k) idx[lane * 16 + k] = 16 * (k / 4) + 4 * lane + k % 4;
+  return _mm512_load_si512(idx);
+}
+
+JAXKV_AVX512 inline __m512i LoadColumns(const uint8_t* row, __m512i order) {
+  // A block sweeps its 16-32 rows 64 columns at a time: more streams than the hardware
+  // prefetcher follows, so fetch each row two column groups ahead.
+  _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchAhead), _MM_HINT_T0);
+  return _mm512_permutexvar_epi8(order, _mm512_loadu_si512(row));
+}
+
+// Inputs i .. i + 3 of 64 columns from o, as Interleave4 lays them out.
+template <int BITS>
+JAXKV_AVX512 inline void Expand64(const Problem& p, int64_t i, int64_t o, __m512i order,
+                                  __m512i w[4]) {
+  const int64_t O = p.outputs;
+  if constexpr (BITS == 4) {  // byte rows i/2 (inputs i, i + 1) and i/2 + 1 (i + 2, i + 3)
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i r0 = LoadColumns(p.q + (i / 2) * O + o, order);
+    const __m512i r1 = LoadColumns(p.q + (i / 2 + 1) * O + o, order);
+    Interleave4(_mm512_and_si512(r0, low), _mm512_and_si512(_mm512_srli_epi16(r0, 4), low),
+                _mm512_and_si512(r1, low), _mm512_and_si512(_mm512_srli_epi16(r1, 4), low), w);
+  } else {
+    const uint8_t* r = p.q + i * O + o;
+    Interleave4(LoadColumns(r, order), LoadColumns(r + O, order), LoadColumns(r + 2 * O, order),
+                LoadColumns(r + 3 * O, order), w);
+  }
+}
+
+// The same for 16 columns (a chunk's last < 64), one zero-extended row at a time.
+template <int BITS>
+JAXKV_AVX512 inline __m512i Expand16(const Problem& p, int64_t i, int64_t o) {
+  const int64_t O = p.outputs;
+  if constexpr (BITS == 4) {
+    const uint8_t* r0 = p.q + (i / 2) * O + o;
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)r0));
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + O)));
+    __m512i v = _mm512_or_si512(a, _mm512_slli_epi32(c, 16));
+    __m512i lo = _mm512_and_si512(v, nibbles);
+    __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
+  } else {
+    const uint8_t* r0 = p.q + i * O + o;
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)r0));
+    for (int k = 1; k < 4; ++k)
+      v = _mm512_or_si512(
+          v, _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + k * O))),
+                               8 * k));
+    return v;
+  }
+}
+
 // f[t, o .. o + 16 NJ] += xs[t, b] * (integer sums of block b) for NT tokens from t0.
 template <int BITS, int NJ, int NT>
 JAXKV_AVX512 void Block(const Problem& p, int64_t b, int64_t o, int64_t t0, float* f,
                         int64_t f_stride) {
-  const int64_t O = p.outputs, nblocks = p.inputs / kBlock;
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  const int64_t nblocks = p.inputs / kBlock;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[NT][NJ];
   __m512i wsum[NJ];
   for (int t = 0; t < NT; ++t)
     for (int j = 0; j < NJ; ++j) acc[t][j] = _mm512_setzero_si512();
   for (int j = 0; j < NJ; ++j) wsum[j] = _mm512_setzero_si512();
+  const __m512i order = ColumnOrder();
   for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i += 4) {
     __m512i w[NJ];
-    if constexpr (BITS == 4) {  // byte rows i/2 and i/2 + 1 hold inputs i .. i + 3
-      const uint8_t* r0 = p.q + (i / 2) * O + o;
+    if constexpr (NJ == 4) {
+      Expand64<BITS>(p, i, o, order, w);
+    } else {
+      for (int j = 0; j < NJ; ++j) w[j] = Expand16<BITS>(p, i, o + 16 * j);
+    }
+    if constexpr (BITS == 8) {  // x + 128 is vpdpbusd's unsigned side; sum(w) undoes the 128
+      for (int j = 0; j < NJ; ++j) wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, w[j]);
+    }
+    for (int t = 0; t < NT; ++t) {
+      int32_t x4;
+      std::memcpy(&x4, (BITS == 4 ? reinterpret_cast<const uint8_t*>(p.xq) : p.xu) +
+                           (t0 + t) * p.inputs + i, 4);
+      const __m512i xv = _mm512_set1_epi32(x4);
       for (int j = 0; j < NJ; ++j) {
-        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + 16 * j)));
-        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + O + 16 * j)));
-        __m512i v = _mm512_or_si512(a, _mm512_slli_epi32(c, 16));
-        __m512i lo = _mm512_and_si512(v, nibbles);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
-        w[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));  // bytes: inputs i .. i + 3
-      }
-      for (int t = 0; t < NT; ++t) {
-        int32_t x4;
-        std::memcpy(&x4, p.xq + (t0 + t) * p.inputs + i, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int j = 0; j < NJ; ++j) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], w[j], xv);
-      }
-    } else {  // int8 rows i .. i + 3; x + 128 is the unsigned side, sum(w) undoes the 128
-      const uint8_t* r0 = p.q + i * O + o;
-      for (int j = 0; j < NJ; ++j) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + 16 * j)));
-        for (int k = 1; k < 4; ++k) {
-          __m512i rk =
-              _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r0 + k * O + 16 * j)));
-          v = _mm512_or_si512(v, _mm512_slli_epi32(rk, 8 * k));
-        }
-        w[j] = v;
-        wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, v);
-      }
-      for (int t = 0; t < NT; ++t) {
-        int32_t x4;
-        std::memcpy(&x4, p.xu + (t0 + t) * p.inputs + i, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int j = 0; j < NJ; ++j) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv, w[j]);
+        acc[t][j] = BITS == 4 ? _mm512_dpbusd_epi32(acc[t][j], w[j], xv)
+                              : _mm512_dpbusd_epi32(acc[t][j], xv, w[j]);
       }
     }
   }
@@ -314,15 +371,26 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                   has_offset ? offset.untyped_data() : nullptr, xq.data(), xu.data(),
                   xs.data(), xsum.data(), y->typed_data()};
   // A few chunks per thread, so that a thread slowed by another process does not hold the
-  // others back; each chunk at most kMaxChunk columns.
+  // others back; but at least kMinChunkBytes of weight reads each (a decode step's small
+  // projections run on the calling thread alone: waking a helper costs more than they do),
+  // and at most kMaxChunk columns.
   const int64_t units = outputs / kLanes;
-  const int64_t target = std::max<int64_t>(4 * std::max<int64_t>(1, pool.num_threads()),
-                                           (outputs + kMaxChunk - 1) / kMaxChunk);
+  const int64_t passes = (tokens + kMaxTokens - 1) / kMaxTokens;
+  const int64_t work = inputs * outputs * bits / 8 * passes;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t target = std::max<int64_t>(
+      std::min<int64_t>(4 * threads, std::max<int64_t>(1, work / kMinChunkBytes)),
+      (outputs + kMaxChunk - 1) / kMaxChunk);
   const int64_t per = std::min<int64_t>(kMaxChunk / kLanes, (units + target - 1) / target);
   const int64_t chunks = (units + per - 1) / per;
-  ParallelFor(pool, chunks, [&](int64_t c) {
+  auto chunk = [&](int64_t c) {
     Columns(p, c * per * kLanes, std::min(outputs, (c + 1) * per * kLanes));
-  });
+  };
+  if (chunks == 1) {
+    chunk(0);
+  } else {
+    ParallelFor(pool, chunks, chunk);
+  }
   return ffi::Error::Success();
 }
 
