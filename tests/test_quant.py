@@ -72,7 +72,47 @@ def test_integer_dot_is_close_to_the_dequantized_float_model(plain_model):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_embedding_kept_row_by_row_computes_the_same_model(plain_model, tied):
+    """TPU's layout of a quantized embedding (`QuantizedTable`, [V, E]: a lookup gathers rows,
+    the tied LM head contracts against it) holds the same int8 values as the [E, V] one, gives
+    the same logits, shards by rows and saves back to the float table."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.model.loading import hf_tensors, load_tensors
+    from jaxkv.model.quant import QuantizedTable
+    from jaxkv.sharding import param_spec
+
+    config = dataclasses.replace(plain_model.config, tie_word_embeddings=tied)
+    module = jaxkv.random_model(config, seed=1).module()
+
+    def load(rows):
+        return load_tensors(hf_tensors(module), "test", config, scan_layers=False,
+                            quantization=QuantScheme(8, None), table_rows=rows)
+
+    rows, cols = load(True), load(False)
+    table, kept = rows.embed.get_value(), cols.embed.get_value()
+    assert isinstance(table, QuantizedTable) and isinstance(kept, QuantizedWeight)
+    assert table.values.shape == (config.vocab_size, config.hidden_size)
+    np.testing.assert_array_equal(np.asarray(table.values), np.asarray(kept.q).T)
+    np.testing.assert_array_equal(np.asarray(table.scales), np.asarray(kept.scale).T)
+    for m in (rows, cols):
+        m.integer_dot = False
+    got = dense_logits(jaxkv.Model.from_module(rows), IDS)
+    want = dense_logits(jaxkv.Model.from_module(cols), IDS)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    # the float table that saving writes is the dequantized rows (numpy's own product)
+    saved = dict(hf_tensors(rows))["model.embed_tokens.weight"]()
+    np.testing.assert_allclose(saved, np.asarray(table.values, np.float32)
+                               * np.asarray(table.scales, np.float32), rtol=0, atol=1e-6)
+    leaves = jax.tree_util.tree_flatten_with_path(table)[0]
+    embed = (jax.tree_util.DictKey("embed"),)
+    assert [param_spec((*embed, *p), tuple(x.shape), 2) for p, x in leaves] == \
+        [P("tp", None)] * 2
+
+
 def _optimized_hlo(model) -> str:
+
     module = model.module()
     c = model.config
 

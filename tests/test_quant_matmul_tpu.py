@@ -66,9 +66,18 @@ SCHEMES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("t", [1, 8, 40])
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+def _cases():
+    """Every scheme at every T in CI, the dtype alternating so that each scheme and each T meet
+    both; the other dtype of each under -m slow."""
+    out = []
+    for n, (scheme, t) in enumerate((s, t) for s in SCHEMES for t in (1, 8, 40)):
+        for k, (dtype, name) in enumerate(((jnp.float32, "f32"), (jnp.bfloat16, "bf16"))):
+            marks = [] if (n + k) % 2 == 0 else [pytest.mark.slow]
+            out.append(pytest.param(scheme, t, dtype, id=f"{scheme}-{t}-{name}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("scheme, t, dtype", _cases())
 def test_matches_reference(scheme, t, dtype):
     bits, group, knobs = SCHEMES[scheme]
     q, scale, offset = make_weight(bits, group)

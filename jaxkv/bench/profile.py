@@ -9,8 +9,9 @@
    0.9 rows (candidate set), and `sample` alone on [32, 128256] logits.
 3. Width: 8 sequences of <= 50 tokens decoding at max_model_len 64 and 8192.
 4. Attention: the CPU decode reference over the model's 12 layers of paged KV (--batch rows
-   of ~--prompt-len tokens), against gathering the same pages alone, and against reading
-   them once at the measured memory bandwidth.
+   of ~--prompt-len tokens), against gathering the same pages alone (from the head-major pool
+   and from a page-major one), the C++ decode kernel reading them in place, and reading them
+   once at the measured memory bandwidth.
 
     jaxkv bench profile [--parts host sampler width attention] [--batch 32]
 """
@@ -28,6 +29,8 @@ from jaxkv.bench import common
 from jaxkv.config import cdiv
 from jaxkv.runtime.sampling import SamplingArrays, sample
 from pallas_kernels import paged_decode_attention_reference
+from pallas_kernels.cpu_paged_attention import paged_decode_attention_cpu
+from pallas_kernels.cpu_paged_attention import supports as cpu_supports
 
 NAME = "profile"
 
@@ -197,8 +200,14 @@ def attention_profile(args) -> dict:
     def gather_page_major(flat, table):  # the same pages from a [L, P, K*S*2D] pool
         return [flat[i].at[table].get(mode="promise_in_bounds") for i in range(layers)]
 
+    @jax.jit
+    def cpu_kernel(q, pool, table, lengths):  # the C++ decode kernel: pages read in place
+        return [paged_decode_attention_cpu(q[i], pool, table, lengths, sm_scale=d ** -0.5,
+                                           layer=i) for i in range(layers)]
+
     table = pages[:, :int(used.max())]
     t_ref = _best_of(reference, q, pool, pages, lengths)
+    t_cpu = _best_of(cpu_kernel, q, pool, pages, lengths) if cpu_supports(pool) else None
     t_gather = _best_of(gather, pool, table)
     flat = pool.transpose(0, 2, 1, 3, 4).reshape(layers, pool.shape[2], -1)
     t_page_major = _best_of(gather_page_major, flat, table)
@@ -209,8 +218,11 @@ def attention_profile(args) -> dict:
           f"{1e3 * t_gather:6.1f} ms; reading the KV once at the measured bandwidth "
           f"{1e3 * bound:5.1f} ms")
     print(f"  the same gather from a page-major pool [L, P, K*S*2D]: {1e3 * t_page_major:6.1f} ms")
+    if t_cpu is not None:
+        print(f"  the CPU decode kernel (head-major pool, pages read in place): "
+              f"{1e3 * t_cpu:6.1f} ms")
     return dict(kv_bytes=kv_bytes, reference_s=t_ref, gather_s=t_gather,
-                gather_page_major_s=t_page_major, bandwidth_bound_s=bound)
+                gather_page_major_s=t_page_major, cpu_kernel_s=t_cpu, bandwidth_bound_s=bound)
 
 
 PARTS = {"host": host_profile, "sampler": sampler_profile, "width": width_profile,

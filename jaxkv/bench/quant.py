@@ -39,6 +39,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv.bench import common
+from jaxkv.model.quant import QuantScheme
 from pallas_kernels.reference import dense_causal_attention
 
 NAME = "quant"
@@ -54,6 +55,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per measurement (the median is reported)")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--load-memory", action="store_true",
                         help="measure each smollm2 variant's load peak in a fresh process")
@@ -61,14 +64,23 @@ def add_arguments(parser) -> None:
 
 
 def build(name: str, variant: str) -> jaxkv.Model | None:
-    """The model ``name`` as ``variant`` (None where it does not apply)."""
+    """The model ``name`` as ``variant`` (None where it does not apply: a GGUF variant of a
+    model with no GGUF file, a group size that does not divide the model's widths)."""
     dtype = "bfloat16" if variant == "bf16" else "float32"
     quant = None if variant in ("fp32", "bf16") else variant
+    config = (jaxkv.load_pretrained("smollm2").config if name == "smollm2"
+              else common.peer_config())
+    scheme = QuantScheme.parse(quant) if quant else None
+    if scheme is not None and not scheme.gguf and scheme.group_size and any(
+            n % scheme.group_size for n in (config.hidden_size, config.intermediate_size)):
+        print(f"({name} {variant}: group {scheme.group_size} does not divide hidden "
+              f"{config.hidden_size} / intermediate {config.intermediate_size}; skipped)")
+        return None
     if name == "smollm2":
         return jaxkv.load_pretrained("smollm2", dtype=dtype, quantization=quant)
     if variant == "gguf":
         return None
-    model = jaxkv.random_model(common.peer_config(), seed=0, dtype=dtype)
+    model = jaxkv.random_model(config, seed=0, dtype=dtype)
     return model if quant is None else jaxkv.quantize(model, quant)
 
 
@@ -94,17 +106,22 @@ def perplexity(model, ids) -> float:
     return float(np.exp(nll(jnp.asarray(ids, jnp.int32))))
 
 
-def decode(model, prompts, new_tokens: int) -> tuple[float, float]:
-    """(tokens/s, mean TTFT s) of greedy decoding ``prompts`` at once on an `LLM(model)`."""
+def decode(model, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(tokens/s, mean TTFT s) of greedy decoding ``prompts`` at once on an `LLM(model)`:
+    the median of ``repeats`` timed runs, each on prompts shifted by one more token (new
+    prompts: no prefix-cache hit), after a run that compiles."""
     llm = jaxkv.LLM(model, warmup=False, max_num_seqs=max(16, len(prompts)))
     sp = jaxkv.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)  # compiles
-    shifted = [[*p[1:], p[0]] for p in prompts]  # new prompts: no prefix-cache hit
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=shifted, sampling_params=sp, use_tqdm=False)
-    wall = time.perf_counter() - start
-    ttft = float(np.mean([o.metrics.ttft for o in outs]))
-    return len(prompts) * new_tokens / wall, ttft
+    runs = []
+    for r in range(1, repeats + 1):
+        shifted = [[*p[r:], *p[:r]] for p in prompts]
+        start = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=shifted, sampling_params=sp, use_tqdm=False)
+        wall = time.perf_counter() - start
+        runs.append((len(prompts) * new_tokens / wall,
+                     float(np.mean([o.metrics.ttft for o in outs]))))
+    return sorted(runs)[len(runs) // 2]
 
 
 def load_peak(variant: str) -> dict:
@@ -145,8 +162,9 @@ print(json.dumps(dict(metadata=m1["RssAnon"] - m0["RssAnon"],
     return {f"load_{k}_mb": v / 1e6 for k, v in r.items()}
 
 
-def llama_cpp(prompts, ids, new_tokens: int, threads: int) -> dict | None:
-    """llama.cpp on the smollm2 GGUF: single-stream tok/s, TTFT, perplexity of ``ids``."""
+def llama_cpp(prompts, ids, new_tokens: int, threads: int, repeats: int) -> dict | None:
+    """llama.cpp on the smollm2 GGUF: single-stream tok/s and TTFT (the median of ``repeats``
+    runs), perplexity of ``ids``."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -166,7 +184,8 @@ def llama_cpp(prompts, ids, new_tokens: int, threads: int) -> dict | None:
         return time.perf_counter() - start, first - start
 
     run(prompts[0])  # warm
-    wall, ttft = run([*prompts[0][1:], prompts[0][0]])
+    wall, ttft = sorted(run([*prompts[0][r:], *prompts[0][:r]])
+                        for r in range(1, repeats + 1))[repeats // 2]
     scorer = Llama(model_path=path, n_ctx=max(2048, len(ids) + 8), n_threads=threads,
                    n_batch=512, logits_all=True, verbose=False)
     scorer.eval(ids)
@@ -190,8 +209,8 @@ def run(args) -> dict:
                        for _ in range(args.batch)]
             ids = (model.encode(TEXT.read_text()) if model.tokenizer is not None
                    else rng.integers(4, vocab, 1024).tolist())
-            single, ttft = decode(model, prompts[:1], args.new_tokens)
-            batch, _ = decode(model, prompts, args.new_tokens)
+            single, ttft = decode(model, prompts[:1], args.new_tokens, args.repeats)
+            batch, _ = decode(model, prompts, args.new_tokens, args.repeats)
             row = dict(model=name, variant=variant, single=single, batch=batch, ttft=ttft,
                        ppl=perplexity(model, ids), weights_mb=weight_bytes(model) / 1e6)
             if args.load_memory and name == "smollm2":
@@ -204,7 +223,7 @@ def run(args) -> dict:
             tok = jaxkv.load_pretrained("smollm2")
             prompts = [rng.integers(4, tok.config.vocab_size, args.prompt_len).tolist()]
             peer = llama_cpp(prompts, tok.encode(TEXT.read_text()), args.new_tokens,
-                             args.threads)
+                             args.threads, args.repeats)
             if peer is not None:
                 rows.append(dict(model=name, variant="llama.cpp Q4_1", single=peer["single"],
                                  batch=peer["single"], ttft=peer["ttft"], ppl=peer["ppl"],

@@ -29,6 +29,7 @@ from jaxkv.model.quant import (
     placeholder_weight,
     qdot,
 )
+from jaxkv.model.quant import table_rows as default_table_rows
 from jaxkv.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -101,11 +102,13 @@ class Llama(nnx.Module):
     embedding and LM head) hold quantized weights (`jaxkv.model.quant`), placeholders until a
     checkpoint loads or `jaxkv.quantize` fills them. ``integer_dot`` (default on) multiplies
     them with the platform's quantized-matmul kernel, which reads the integers (see
-    `quant.qdot`); off, each weight is dequantized next to its dot."""
+    `quant.qdot`); off, each weight is dequantized next to its dot. ``table_rows``: keep a
+    quantized embedding row by row (`quant.QuantizedTable`; default: on TPU)."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  scan_layers: bool | None = None, rngs: nnx.Rngs,
-                 quantization: QuantScheme | None = None, integer_dot: bool | None = None):
+                 quantization: QuantScheme | None = None, integer_dot: bool | None = None,
+                 table_rows: bool | None = None):
         if scan_layers is None:
             scan_layers = jax.default_backend() != "cpu"
         self.config = config
@@ -117,7 +120,8 @@ class Llama(nnx.Module):
         init = nnx.initializers.normal(0.02)
         v, e = config.vocab_size, config.hidden_size
         quant_embed = quantization is not None and quantization.embedding
-        self.embed = nnx.Param(placeholder_embedding((v, e)) if quant_embed
+        rows = default_table_rows() if table_rows is None else table_rows
+        self.embed = nnx.Param(placeholder_embedding((v, e), rows) if quant_embed
                                else init(rngs.params(), (v, e), param_dtype))
         self.layers = DecoderLayers(config, scan=scan_layers, param_dtype=param_dtype,
                                     rngs=rngs, quantization=quantization)

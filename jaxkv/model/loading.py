@@ -20,7 +20,10 @@ from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import LINEAR, Llama
 from jaxkv.model.quant import (
+    QuantizedTable,
+    QuantizedWeight,
     QuantScheme,
+    as_table,
     dequantize_host,
     is_quantized,
     quantize,
@@ -63,22 +66,25 @@ def tensor_files(folder: Path) -> list[Path]:
 
 def abstract_model(config: ModelConfig, dtype=jnp.float32, param_dtype=jnp.float32,
                    scan_layers: bool | None = None,
-                   quantization: QuantScheme | None = None) -> Llama:
+                   quantization: QuantScheme | None = None,
+                   table_rows: bool | None = None) -> Llama:
     """A model whose params are shape-only placeholders (no memory, no random init)."""
     return nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype,
                                         scan_layers=scan_layers, rngs=nnx.Rngs(0),
-                                        quantization=quantization))
+                                        quantization=quantization, table_rows=table_rows))
 
 
-def host_value(name: str, array: np.ndarray, quantization: QuantScheme | None):
+def host_value(name: str, array: np.ndarray, quantization: QuantScheme | None,
+               rows: bool = False):
     """What param ``name`` stores for the float tensor ``array`` (jaxkv layout): the array,
-    or its quantized form under ``quantization`` (one tensor at a time, on the host)."""
+    or its quantized form under ``quantization`` (one tensor at a time, on the host; ``rows``:
+    a quantized embedding as a `QuantizedTable`)."""
     if quantization is None:
         return array
     if name in LINEAR:
         return quantize(array, quantization)
     if quantization.embedding and name == "embed":
-        return quantize_embedding(array)
+        return as_table(quantize_embedding(array)) if rows else quantize_embedding(array)
     if quantization.embedding and name == "lm_head":
         return quantize(array, QuantScheme(8, None))
     return array
@@ -126,14 +132,16 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
 
 def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
                  param_dtype=jnp.float32, scan_layers: bool | None = None,
-                 on_host: bool = False, quantization: QuantScheme | None = None) -> Llama:
+                 on_host: bool = False, quantization: QuantScheme | None = None,
+                 table_rows: bool | None = None) -> Llama:
     """Builds a `Llama` from (HF tensor name, loader) pairs: a loader is called only for a
     tensor the config expects, and its tensor is quantized (``quantization``) before the next
     is read, so the host holds one float tensor at a time. An item's loader may also return a
     `QuantizedWeight` already in jaxkv's layout (a GGUF block format kept as it is).
-    ``source`` names the checkpoint in errors."""
-    model = abstract_model(config, dtype, param_dtype, scan_layers, quantization)
+    ``source`` names the checkpoint in errors; ``table_rows``: see `Llama`."""
+    model = abstract_model(config, dtype, param_dtype, scan_layers, quantization, table_rows)
     expected = _expected(model)
+    rows = isinstance(model.embed.get_value(), QuantizedTable)
 
     def place(value):  # on_host: numpy, for `jaxkv.shard` to send each device its part only
         put = np.asarray if on_host else jnp.asarray
@@ -164,7 +172,9 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
             continue
         seen.add(key)
         value = tensor if is_quantized(tensor) else host_value(
-            name, tensor.T if transpose else tensor, quantization)
+            name, tensor.T if transpose else tensor, quantization, rows)
+        if rows and name == "embed" and isinstance(value, QuantizedWeight):
+            value = as_table(value)  # a checkpoint's kept blocks, row by row
         del tensor
         if layer is None:
             getattr(model, name).set_value(place(value))
@@ -206,9 +216,10 @@ def hf_tensors(model: Llama):
         value = var.get_value()
         if layer is not None and model.layers.scan:
             value = jax.tree.map(lambda x: x[layer], value)
-        if is_quantized(value):  # [in, out]; a quantized embedding is [E, V] too
+        if is_quantized(value):  # [in, out]; a quantized embedding is [E, V] too, or a table
             array = dequantize_host(value)
-            return array.T if transpose or name == "embed" else array
+            columns = name == "embed" and isinstance(value, QuantizedWeight)
+            return array.T if transpose or columns else array
         array = np.asarray(jax.device_get(value))
         return array.T if transpose else array
 

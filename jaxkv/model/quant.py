@@ -107,8 +107,47 @@ class QuantizedWeight:
         return w.reshape(*lead, rows, cols).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTable:
+    """An int8 embedding table kept row by row, [V, E]: the layout for TPU, where a lookup
+    gathers rows (gathering columns of the [E, V] `QuantizedWeight` makes XLA:TPU relayout the
+    whole table every step) and the tied LM head contracts against it with XLA's dot."""
+
+    values: jax.Array  # i8[V, E]
+    scales: jax.Array  # f16[V, G]: one per row (G = 1) or per 32 inputs (a GGUF Q8_0 table)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    def dequantize(self, dtype=jnp.float32):
+        v, e = self.values.shape
+        g = self.scales.shape[-1]
+        w = (self.values.reshape(v, g, e // g).astype(jnp.float32)
+             * self.scales[..., None].astype(jnp.float32))
+        return w.reshape(v, e).astype(dtype)
+
+    def logits(self, hidden, dtype):
+        """f32[T, V] of hidden[T, E] against the table (the int8 -> float conversion fused into
+        the dot by XLA; a per-row scale applied to the product)."""
+        if self.scales.shape[-1] == 1:
+            out = jnp.einsum("te,ve->tv", hidden.astype(dtype), self.values.astype(dtype),
+                             preferred_element_type=jnp.float32)
+            return out * self.scales[:, 0].astype(jnp.float32)
+        return jnp.einsum("te,ve->tv", hidden.astype(dtype), self.dequantize(dtype),
+                          preferred_element_type=jnp.float32)
+
+
 def is_quantized(x) -> bool:
-    return isinstance(x, QuantizedWeight)
+    return isinstance(x, QuantizedWeight | QuantizedTable)
+
+
+def table_rows(platform: str | None = None) -> bool:
+    """Whether a quantized embedding is kept as a `QuantizedTable` (rows: TPU) or in the LM
+    head's [E, V] layout (columns: CPU and GPU, where the matmul kernels read it and a lookup
+    gathers columns in place)."""
+    return (platform or jax.default_backend()) == "tpu"
 
 
 def placeholder_weight(shape, scheme: QuantScheme) -> QuantizedWeight:
@@ -124,10 +163,13 @@ def placeholder_weight(shape, scheme: QuantScheme) -> QuantizedWeight:
                            jnp.zeros((*lead, groups, cols), jnp.float16), 4)
 
 
-def placeholder_embedding(shape) -> QuantizedWeight:
+def placeholder_embedding(shape, rows: bool = False) -> QuantizedWeight | QuantizedTable:
     """The quantized layout of a float [V, E] table: int8 [E, V], a scale per row of the table
-    (per output channel of the tied LM head), filled by loading."""
+    (per output channel of the tied LM head), or with ``rows`` a `QuantizedTable`; filled by
+    loading."""
     v, e = shape
+    if rows:
+        return QuantizedTable(jnp.zeros((v, e), jnp.int8), jnp.ones((v, 1), jnp.float16))
     return placeholder_weight((e, v), QuantScheme(8, None))
 
 
@@ -188,6 +230,15 @@ def quantize_embedding(table) -> QuantizedWeight:
     [in, out] layout (`qdot`'s kernels multiply it as they do any weight); a lookup gathers
     columns (`embed_lookup`)."""
     return quantize(np.asarray(table).T, QuantScheme(8, None))
+
+
+def as_table(w: QuantizedWeight) -> QuantizedTable:
+    """A quantized embedding in the [E, V] layout as a `QuantizedTable` (int8 values as they
+    are, transposed; an int4 one requantized to int8 per row)."""
+    if w.bits != 8:
+        w = quantize_embedding(dequantize_host(w).T)
+    return QuantizedTable(np.ascontiguousarray(np.asarray(w.q).T),
+                          np.ascontiguousarray(np.asarray(w.scale).T))
 
 
 def dequantize_host(x) -> np.ndarray:
@@ -276,7 +327,9 @@ def _sharded_kernel_dot(x, w: QuantizedWeight, dtype, kernel: str, split: str, m
 
 def embedding_logits(hidden, table, dtype, *, kernel: str, mesh=None):
     """f32[T, V] logits of hidden[T, E] against the embedding (the tied LM head): a float
-    [V, E] table, or a quantized one in its [E, V] layout."""
+    [V, E] table, a `QuantizedTable`, or a quantized one in its [E, V] layout."""
+    if isinstance(table, QuantizedTable):
+        return table.logits(hidden, dtype)
     if isinstance(table, QuantizedWeight):
         return qdot(hidden, table, dtype, kernel=kernel, split="column",
                     mesh=mesh).astype(jnp.float32)
@@ -287,6 +340,8 @@ def embedding_logits(hidden, table, dtype, *, kernel: str, mesh=None):
 def embed_lookup(table, tokens, dtype):
     """[T, E] embeddings of ``tokens``: rows of a float [V, E] table, or the dequantized
     columns of a quantized [E, V] one (only the gathered columns are dequantized)."""
+    if isinstance(table, QuantizedTable):
+        return QuantizedTable(table.values[tokens], table.scales[tokens]).dequantize(dtype)
     if isinstance(table, QuantizedWeight):
         def cols(a):
             return None if a is None else a[:, tokens]

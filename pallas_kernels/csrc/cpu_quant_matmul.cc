@@ -381,7 +381,10 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const int64_t target = std::max<int64_t>(
       std::min<int64_t>(4 * threads, std::max<int64_t>(1, work / kMinChunkBytes)),
       (outputs + kMaxChunk - 1) / kMaxChunk);
-  const int64_t per = std::min<int64_t>(kMaxChunk / kLanes, (units + target - 1) / target);
+  // whole groups of 64 columns where there are some (the 16-column tail path is slower)
+  int64_t per = (units + target - 1) / target;
+  if (units >= 4) per = (per + 3) & ~int64_t{3};
+  per = std::min<int64_t>(kMaxChunk / kLanes, per);
   const int64_t chunks = (units + per - 1) / per;
   auto chunk = [&](int64_t c) {
     Columns(p, c * per * kLanes, std::min(outputs, (c + 1) * per * kLanes));

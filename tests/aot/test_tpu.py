@@ -190,7 +190,9 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
 
 QUANT_STEPS = [
     # Weights kept quantized: each linear of the layer scan through the Mosaic weight-only
-    # kernel (tied LM heads through XLA's int8 dot; the 8B's untied head through the kernel).
+    # kernel (the 8B's untied head too); a tied LM head contracts against the embedding kept
+    # row by row (`QuantizedTable`: a lookup gathers rows, no relayout of the table) with
+    # XLA's dot, reading the int8 values in place.
     ("v5e", aot_steps.StepCase("llama-3.2-1b", "decode", 1.0, 64, 64, 4096,
                                quantization="int4-g128")),
     ("v5e", aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096,

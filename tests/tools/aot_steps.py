@@ -59,14 +59,16 @@ def config_of(preset: str) -> ModelConfig:
 
 
 @functools.cache
-def abstract_model(preset: str, dtype: str, quantization: str | None = None):
+def abstract_model(preset: str, dtype: str, quantization: str | None = None,
+                   table_rows: bool = False):
     """(graphdef, abstract params) of a scanned-layer Llama with ``preset``'s shape, its
-    weights quantized as ``quantization`` names (None: float)."""
+    weights quantized as ``quantization`` names (None: float; ``table_rows``: a quantized
+    embedding kept row by row, as on TPU)."""
     dt = jnp.dtype(dtype)
     scheme = QuantScheme.parse(quantization)
     module = nnx.eval_shape(lambda: Llama(config_of(preset), dtype=dt, param_dtype=dt,
                                           scan_layers=True, rngs=nnx.Rngs(0),
-                                          quantization=scheme))
+                                          quantization=scheme, table_rows=table_rows))
     graphdef, params = nnx.split(module)
     return graphdef, params
 
@@ -77,9 +79,11 @@ def num_pages(case: StepCase) -> int:
     return int(case.pool_gib * 2**30) // per_page
 
 
-def _abstract_state(case: StepCase):
-    """(graphdef, abstract params, abstract KV state, pages, page-table width) of a case."""
-    graphdef, params = abstract_model(case.model, case.dtype, case.quantization)
+def _abstract_state(case: StepCase, impl: str | None = None):
+    """(graphdef, abstract params, abstract KV state, pages, page-table width) of a case (the
+    params in ``impl``'s platform's layout)."""
+    graphdef, params = abstract_model(case.model, case.dtype, case.quantization,
+                                      impl == "pallas-tpu")
     config = config_of(case.model)
     pages = num_pages(case)
     state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
@@ -95,7 +99,7 @@ def state_of(case: StepCase):
 def step_inputs(case: StepCase, impl: str):
     """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv ragged
     ``step`` (T tokens over B slots)."""
-    graphdef, params, state, pages, width = _abstract_state(case)
+    graphdef, params, state, pages, width = _abstract_state(case, impl)
     steps = make_steps(graphdef, impl)
     # "decode" cases: the ragged step with one token per row, what GPU/TPU engines run by
     # default (max_decode_steps=1 there; see jaxkv.engine.Engine).
