@@ -81,6 +81,34 @@ def test_other_formats_take_the_nearest_kept_layout(tmp_path):
         jaxkv.load_pretrained(mixed, quantization="gguf", scan_layers=True)
 
 
+def test_nearest_layout_is_built_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """A K-quant tensor goes to the nearest kept layout a few rows at a time (never whole in
+    float32), with the same result as quantizing the whole dequantized tensor at once."""
+    from jaxkv.model import gguf as gguf_module
+    from jaxkv.model import gguf_blocks
+
+    hf = build_hf_model("llama_gqa", **WIDE)
+    path = write_gguf(hf, tmp_path / "k.gguf", tensor_type=["Q6_K", "Q4_K"])
+    ckpt = gguf_module.GGUFCheckpoint(path)
+    names = {f"model.layers.0.mlp.{p}_proj.weight": f"blk.0.ffn_{p}.weight"
+             for p in ("gate", "up", "down")}
+    kinds = {hf: ckpt.tensors[g].tensor_type.name for hf, g in names.items()}
+    assert set(kinds.values()) == {"Q6_K", "Q4_K"}
+    floats = dict(ckpt.hf_tensors())
+    wants = {hf: gguf_blocks.nearest_weight(floats[hf](), kinds[hf]) for hf in names}
+    monkeypatch.setattr(gguf_module, "ROWS_AT_ONCE", 3 * WIDE["hidden_size"])
+    seen = []
+    real = gguf_blocks.quantize
+    monkeypatch.setattr(gguf_blocks, "quantize", lambda w, s: seen.append(w.shape) or real(w, s))
+    kept = dict(ckpt.hf_tensors(keep_blocks=True))
+    for hf, want in wants.items():
+        got = kept[hf]()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+    out_rows = max(int(ckpt.tensors[g].shape[-1]) for g in names.values())
+    assert seen and max(cols for _, cols in seen) < out_rows
+
+
 def test_gguf_quantization_needs_a_gguf_file(tmp_path):
     from hf_models import save_hf_model
 

@@ -29,6 +29,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 MAGIC = b"GGUF"
+ROWS_AT_ONCE = 1 << 22  # elements of a tensor dequantized at once (16 MB of float32)
 
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                    "output_norm.weight": "model.norm.weight",
@@ -172,8 +173,10 @@ class GGUFCheckpoint:
         kind = t.tensor_type.name
         shape = tuple(int(n) for n in reversed(t.shape))
         if kind not in gguf_blocks.KEPT:
-            w = self._array(name)
-            return gguf_blocks.nearest_weight(w if heads is None else _unpermute(w, heads), kind)
+            if heads is None:  # a block of rows at a time: never the whole tensor in float
+                return gguf_blocks.nearest_weight_by_rows(self._rows(name), shape, kind)
+            # attention q/k (at most hidden x hidden): their rows permuted whole
+            return gguf_blocks.nearest_weight(_unpermute(self._array(name), heads), kind)
         blocks = gguf_blocks.blocks_of(t.data, kind, shape)
         if heads is not None:  # the permutation moves whole rows: blocks move with them
             blocks = _unpermute(blocks, heads)
@@ -183,22 +186,37 @@ class GGUFCheckpoint:
         """A tensor dequantized to float32, in numpy's (row-major, HF) axis order."""
         from gguf import quants
 
-        t = self.tensors[name]
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            raise UnsupportedModelError(
-                f"GGUF {str(self.path)!r}: tensor {name!r} has type {kind}, which jaxkv does not "
-                f"dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
+        t = self._supported(name)
         shape = tuple(int(n) for n in reversed(t.shape))
         data = t.data
-        if data.ndim < 2 or data.shape[0] * shape[-1] <= 1 << 22:
+        if data.ndim < 2 or data.shape[0] * shape[-1] <= ROWS_AT_ONCE:
             return np.asarray(quants.dequantize(data, t.tensor_type), np.float32).reshape(shape)
         out = np.empty(shape, np.float32)  # a block of rows at a time: small temporaries
         rows = out.reshape(-1, shape[-1])
-        step = max(1, (1 << 22) // shape[-1])
-        for r in range(0, rows.shape[0], step):
-            rows[r:r + step] = quants.dequantize(data[r:r + step], t.tensor_type)
+        for r, part in self._rows(name):
+            rows[r:r + len(part)] = part
         return out
+
+    def _supported(self, name: str):
+        t = self.tensors[name]
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF {str(self.path)!r}: tensor {name!r} has type {t.tensor_type.name}, which "
+                f"jaxkv does not dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
+        return t
+
+    def _rows(self, name: str):
+        """(first row, f32 rows [n, in]) of a 2-D tensor dequantized a block of
+        `ROWS_AT_ONCE` elements at a time."""
+        from gguf import quants
+
+        t = self._supported(name)
+        width = int(t.shape[0])  # GGUF lists the innermost dimension first
+        data = t.data
+        step = max(1, ROWS_AT_ONCE // width)
+        for r in range(0, data.shape[0], step):
+            part = quants.dequantize(data[r:r + step], t.tensor_type)
+            yield r, np.asarray(part, np.float32).reshape(-1, width)
 
     def hf_tensors(self, keep_blocks: bool = False
                    ) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:

@@ -50,8 +50,31 @@ def kept_weight(blocks: np.ndarray, kind: str, shape: tuple[int, int]) -> Quanti
 
 def nearest_weight(w_hf: np.ndarray, kind: str) -> QuantizedWeight:
     """A dequantized [out, in] tensor of another format in the nearest kept layout."""
-    scheme = QuantScheme(4 if kind in LOW_BITS else 8, 32)
-    return quantize(w_hf.T, scheme)
+    return quantize(w_hf.T, _nearest(kind))
+
+
+def nearest_weight_by_rows(chunks, shape: tuple[int, int], kind: str) -> QuantizedWeight:
+    """The same from ``chunks``, (first row, f32 rows [n, in]) of the dequantized [out, in]
+    tensor in order: each block of rows (output channels) quantized as it comes into the
+    preallocated result, so the whole tensor never exists in float32 (an 8B model's Q6_K
+    output matrix would take 2.1 GB)."""
+    out_rows, _ = shape
+    q = scale = offset = None
+    for r0, rows in chunks:
+        w = quantize(rows.T, _nearest(kind))
+        if q is None:
+            q = np.empty((w.q.shape[0], out_rows), w.q.dtype)
+            scale = np.empty((w.scale.shape[0], out_rows), w.scale.dtype)
+            offset = None if w.offset is None else np.empty_like(scale)
+        cols = slice(r0, r0 + rows.shape[0])
+        q[:, cols], scale[:, cols] = w.q, w.scale
+        if offset is not None:
+            offset[:, cols] = w.offset
+    return QuantizedWeight(q, scale, offset, _nearest(kind).bits)
+
+
+def _nearest(kind: str) -> QuantScheme:
+    return QuantScheme(4 if kind in LOW_BITS else 8, 32)
 
 
 def blocks_of(data: np.ndarray, kind: str, shape: tuple[int, int]) -> np.ndarray:

@@ -31,6 +31,13 @@ SLOW = {
     "test_tokens_equal_one_device_across_tensor_parallel_sizes[1-2-auto]",
     "test_tokens_equal_one_device_across_tensor_parallel_sizes[4-1-auto]",
     "test_tokens_equal_one_device_across_tensor_parallel_sizes[2-2-int8]",
+    # (make test's time: tp x dp stays in CI as gqa-scan-2-2, int8 shards as mqa-4, prefix
+    # caching and warmup as gqa-scan)
+    "test_greedy_tokens_equal_one_device[gqa-1-2]",
+    "test_greedy_tokens_equal_one_device[mqa-2-2]",
+    "test_int8_pages_and_scales_shard_by_kv_head[gqa-scan-2]",
+    "test_prefix_caching_and_preemption_under_tp2[mqa]",
+    "test_after_warmup_tp2_serving_compiles_nothing[mqa]",
 }
 
 
