@@ -110,7 +110,7 @@ def param_spec(path, shape: tuple[int, ...], tp: int) -> P:
     channel: replicated, as each device's partial sums take the same scale)."""
     names, ndim = _names(path), len(shape)
     if "embed" in names:  # split over the vocabulary: a float [V, E] table or a
-        # `QuantizedTable` ([V, E], [V, G]) by rows, a quantized [E, V] one by columns
+        # `QuantizedTable` ([V, E], [V, 1]) by rows, a quantized [E, V] one by columns
         return P(None, TP) if names[-1] in ("q", "scale", "offset") else P(TP, None)
     if "lm_head" in names:
         return P(None, TP)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv.model.quant import is_quantized
+from jaxkv.model.quant import QuantizedTable, is_quantized
 
 
 def numpy_dequantize(w) -> np.ndarray:
@@ -33,7 +33,9 @@ def float_twin(model: jaxkv.Model) -> jaxkv.Model:
 
     def put(dst, src, transpose=False):
         value = src.get_value()
-        if is_quantized(value):
+        if isinstance(value, QuantizedTable):  # TPU's embedding layout: int8 rows [V, E]
+            value = np.asarray(value.values, np.float32) * np.asarray(value.scales, np.float32)
+        elif is_quantized(value):
             value = numpy_dequantize(value).T if transpose else numpy_dequantize(value)
         dst.set_value(jnp.asarray(value))
 

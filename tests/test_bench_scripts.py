@@ -75,6 +75,7 @@ def test_bench_serve_small_run(capsys, tmp_path):
     assert (tmp_path / "s.png").exists()
 
 
+@pytest.mark.slow  # ~45 s on 2 cores (make test time)
 def test_kv_accuracy_small_run(capsys):
     """KV quantization accuracy on the embedded model: two chunks of held text, 8 greedy
     tokens; every kv dtype has a row, auto's errors are exactly 0, int8's stay small. (An

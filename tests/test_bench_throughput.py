@@ -1,8 +1,11 @@
 """`jaxkv bench throughput` runs end to end on a tiny model (numbers are not checked)."""
 
+import pytest
+
 from jaxkv.bench import throughput
 
 
+@pytest.mark.slow  # ~45 s on 2 cores (make test time)
 def test_bench_throughput_small_run(capsys, tmp_path):
     out_png = tmp_path / "tp.png"
     argv = ["--layers", "1", "--hidden", "64", "--prompts", "3", "--new-tokens", "4",

@@ -111,6 +111,23 @@ def test_embedding_kept_row_by_row_computes_the_same_model(plain_model, tied):
         [P("tp", None)] * 2
 
 
+@pytest.mark.parametrize("spec", ["int8-g32", "int4-g32"])
+def test_a_grouped_table_is_kept_as_int8_rows_a_block_at_a_time(spec, monkeypatch):
+    """On TPU a table kept in groups (a GGUF file's Q8_0 or Q4 blocks) becomes int8 rows with
+    one scale each, converted a few rows at a time: within half a step of the stored table."""
+    from jaxkv.model import quant
+
+    table = RNG.standard_normal((96, 64)).astype(np.float32)  # [V, E]
+    kept = quantize(table.T, QuantScheme.parse(spec))  # [E, V], as a GGUF table is kept
+    monkeypatch.setattr(quant, "CHUNK", 64 * 10)  # 10 rows at a time
+    t = quant.as_table(kept)
+    assert t.values.shape == (96, 64) and t.values.dtype == np.int8 and t.scales.shape == (96, 1)
+    step = np.asarray(t.scales, np.float32)
+    err = np.abs(np.asarray(t.values, np.float32) * step - numpy_dequantize(kept).T)
+    assert np.all(err <= step / 2 + 1e-6)
+    assert np.abs(err).max() > 0  # requantized, not a copy of the float table
+
+
 def _optimized_hlo(model) -> str:
 
     module = model.module()

@@ -27,6 +27,7 @@ defaults (``warmup=False``; a first run of the same shapes compiles what the tim
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -66,14 +67,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None, help="plot path (PNG)")
 
 
+@functools.cache
+def _config(name: str):
+    return jaxkv.load_pretrained("smollm2").config if name == "smollm2" else common.peer_config()
+
+
 def build(name: str, variant: str) -> jaxkv.Model | None:
     """The model ``name`` as ``variant`` (None where it does not apply: a GGUF variant of a
     model with no GGUF file, a group size that does not divide the model's widths)."""
     dtype = "bfloat16" if variant == "bf16" else "float32"
     quant = None if variant in ("fp32", "bf16") else variant
-    config = (jaxkv.load_pretrained("smollm2").config if name == "smollm2"
-              else common.peer_config())
     scheme = QuantScheme.parse(quant) if quant else None
+    config = _config(name)
     if scheme is not None and not scheme.gguf and scheme.group_size and any(
             n % scheme.group_size for n in (config.hidden_size, config.intermediate_size)):
         print(f"({name} {variant}: group {scheme.group_size} does not divide hidden "

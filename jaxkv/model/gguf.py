@@ -189,7 +189,7 @@ class GGUFCheckpoint:
         t = self._supported(name)
         shape = tuple(int(n) for n in reversed(t.shape))
         data = t.data
-        if data.ndim < 2 or data.shape[0] * shape[-1] <= ROWS_AT_ONCE:
+        if data.ndim != 2 or data.shape[0] * shape[-1] <= ROWS_AT_ONCE:
             return np.asarray(quants.dequantize(data, t.tensor_type), np.float32).reshape(shape)
         out = np.empty(shape, np.float32)  # a block of rows at a time: small temporaries
         rows = out.reshape(-1, shape[-1])
@@ -213,6 +213,8 @@ class GGUFCheckpoint:
         t = self._supported(name)
         width = int(t.shape[0])  # GGUF lists the innermost dimension first
         data = t.data
+        if data.ndim != 2 or len(t.shape) != 2:
+            raise ValueError(f"GGUF tensor {name!r}: rows of a 2-D tensor only, got {t.shape}")
         step = max(1, ROWS_AT_ONCE // width)
         for r in range(0, data.shape[0], step):
             part = quants.dequantize(data[r:r + step], t.tensor_type)

@@ -60,7 +60,11 @@ def nearest_weight_by_rows(chunks, shape: tuple[int, int], kind: str) -> Quantiz
     output matrix would take 2.1 GB)."""
     out_rows, _ = shape
     q = scale = offset = None
+    done = 0
     for r0, rows in chunks:
+        if r0 != done:
+            raise ValueError(f"rows {done}.. expected next, got {r0}")
+        done += rows.shape[0]
         w = quantize(rows.T, _nearest(kind))
         if q is None:
             q = np.empty((w.q.shape[0], out_rows), w.q.dtype)
@@ -70,6 +74,8 @@ def nearest_weight_by_rows(chunks, shape: tuple[int, int], kind: str) -> Quantiz
         q[:, cols], scale[:, cols] = w.q, w.scale
         if offset is not None:
             offset[:, cols] = w.offset
+    if done != out_rows:
+        raise ValueError(f"{done} rows converted, the tensor has {out_rows}")
     return QuantizedWeight(q, scale, offset, _nearest(kind).bits)
 
 

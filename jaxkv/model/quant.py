@@ -110,33 +110,26 @@ class QuantizedWeight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedTable:
-    """An int8 embedding table kept row by row, [V, E]: the layout for TPU, where a lookup
-    gathers rows (gathering columns of the [E, V] `QuantizedWeight` makes XLA:TPU relayout the
-    whole table every step) and the tied LM head contracts against it with XLA's dot."""
+    """An int8 embedding table kept row by row, [V, E], one scale per row: the layout for TPU,
+    where a lookup gathers rows (gathering columns of the [E, V] `QuantizedWeight` makes
+    XLA:TPU relayout the whole table every step) and the tied LM head contracts against the
+    int8 rows with XLA's dot, the per-row scale applied to its product."""
 
     values: jax.Array  # i8[V, E]
-    scales: jax.Array  # f16[V, G]: one per row (G = 1) or per 32 inputs (a GGUF Q8_0 table)
+    scales: jax.Array  # f16[V, 1]
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.values.shape)
 
     def dequantize(self, dtype=jnp.float32):
-        v, e = self.values.shape
-        g = self.scales.shape[-1]
-        w = (self.values.reshape(v, g, e // g).astype(jnp.float32)
-             * self.scales[..., None].astype(jnp.float32))
-        return w.reshape(v, e).astype(dtype)
+        return (self.values.astype(jnp.float32) * self.scales.astype(jnp.float32)).astype(dtype)
 
     def logits(self, hidden, dtype):
-        """f32[T, V] of hidden[T, E] against the table (the int8 -> float conversion fused into
-        the dot by XLA; a per-row scale applied to the product)."""
-        if self.scales.shape[-1] == 1:
-            out = jnp.einsum("te,ve->tv", hidden.astype(dtype), self.values.astype(dtype),
-                             preferred_element_type=jnp.float32)
-            return out * self.scales[:, 0].astype(jnp.float32)
-        return jnp.einsum("te,ve->tv", hidden.astype(dtype), self.dequantize(dtype),
-                          preferred_element_type=jnp.float32)
+        """f32[T, V] of hidden[T, E] against the table."""
+        out = jnp.einsum("te,ve->tv", hidden.astype(dtype), self.values.astype(dtype),
+                         preferred_element_type=jnp.float32)
+        return out * self.scales[:, 0].astype(jnp.float32)
 
 
 def is_quantized(x) -> bool:
@@ -233,12 +226,35 @@ def quantize_embedding(table) -> QuantizedWeight:
 
 
 def as_table(w: QuantizedWeight) -> QuantizedTable:
-    """A quantized embedding in the [E, V] layout as a `QuantizedTable` (int8 values as they
-    are, transposed; an int4 one requantized to int8 per row)."""
-    if w.bits != 8:
-        w = quantize_embedding(dequantize_host(w).T)
-    return QuantizedTable(np.ascontiguousarray(np.asarray(w.q).T),
-                          np.ascontiguousarray(np.asarray(w.scale).T))
+    """A quantized embedding in the [E, V] layout as a `QuantizedTable`: int8 per-row values
+    as they are, transposed; other layouts (a GGUF table's Q8_0 or Q4 blocks, int4 groups)
+    requantized to int8 per row, a block of rows at a time (never the whole table in float)."""
+    q, scale = np.asarray(w.q), np.asarray(w.scale)
+    if w.bits == 8 and scale.shape[-2] == 1:
+        return QuantizedTable(np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T))
+    e, v = w.shape
+    values, scales = np.empty((v, e), np.int8), np.empty((v, 1), np.float16)
+    step = max(1, CHUNK // e)
+    for c in range(0, v, step):
+        part = QuantizedWeight(q[:, c:c + step], scale[:, c:c + step],
+                               None if w.offset is None else np.asarray(w.offset)[:, c:c + step],
+                               w.bits)
+        rows = quantize(_dequantize_np(part), QuantScheme(8, None))
+        values[c:c + step], scales[c:c + step] = rows.q.T, rows.scale.T
+    return QuantizedTable(values, scales)
+
+
+def _dequantize_np(w: QuantizedWeight) -> np.ndarray:
+    """f32 [I, O] of a (small) quantized [I, O] weight, in numpy."""
+    q = np.asarray(w.q)
+    if w.bits == 4:
+        q = np.stack([q & 15, q >> 4], axis=-2).reshape(2 * q.shape[0], q.shape[1])
+    groups = w.scale.shape[-2]
+    out = q.reshape(groups, -1, q.shape[-1]).astype(np.float32) * np.asarray(
+        w.scale, np.float32)[:, None, :]
+    if w.offset is not None:
+        out += np.asarray(w.offset, np.float32)[:, None, :]
+    return out.reshape(q.shape)
 
 
 def dequantize_host(x) -> np.ndarray:
