@@ -205,10 +205,18 @@ def _wait_idle(server, timeout=120.0):
     raise AssertionError(f"server not idle: {server.metrics()}")
 
 
-def test_a_client_that_disconnects_frees_its_pages(server):
+def test_a_client_that_disconnects_frees_its_pages(server, monkeypatch):
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 240, "temperature": 0,
             "ignore_eos": True, "stream": True}
     before = server.llm.engine.stats().generated_tokens
+
+    def slowed(fn):  # 240 tokens take longer than noticing the disconnect, however fast the
+        def run(*args):  # engine (it once finished them all before the next chunk was sent)
+            time.sleep(0.05)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(server.llm.engine, "steps", _wrapped_steps(server.llm.engine, slowed))
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
