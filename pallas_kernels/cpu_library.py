@@ -1,11 +1,12 @@
-"""The CPU kernels' shared library: every ``csrc/*.cc`` (C++ XLA FFI handlers) compiled into
-one ``.so`` on first use and its targets registered with XLA.
+"""The CPU kernels' shared library: every ``csrc/*.cc`` (C++ XLA FFI handlers, with the
+``csrc/*.h`` they share) compiled into one ``.so`` on first use and its targets registered
+with XLA.
 
 It is built with the system C++ compiler (``$CXX``, else ``g++``) against jaxlib's FFI headers
 (``jax.ffi.include_dir()``) into a cache folder (``$JAXKV_CACHE_DIR``, default
-``~/.cache/jaxkv``), named by a hash of the sources, the headers' path and jax's version, and
-renamed into place when complete (concurrent processes are safe). Where it cannot be built
-(no compiler), `library` returns None and callers use XLA instead.
+``~/.cache/jaxkv``), named by a hash of the sources and headers, jaxlib's include path and
+jax's version, and renamed into place when complete (concurrent processes are safe). Where it
+cannot be built (no compiler), `library` returns None and callers use XLA instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import jax
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cc"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {"jaxkv_quantized_matmul": "JaxkvQuantizedMatmul",
            "jaxkv_paged_decode_attention": "JaxkvPagedDecodeAttention"}
@@ -33,7 +35,7 @@ def _cache_dir() -> Path:
 
 def _compile() -> Path:
     """The shared library for these sources, compiled once per source hash and jaxlib."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
                             + jax.ffi.include_dir().encode() + jax.__version__.encode())
     out = _cache_dir() / f"jaxkv_cpu-{digest.hexdigest()[:16]}.so"
     if out.is_file():

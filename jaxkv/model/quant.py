@@ -239,27 +239,27 @@ def as_table(w: QuantizedWeight) -> QuantizedTable:
         part = QuantizedWeight(q[:, c:c + step], scale[:, c:c + step],
                                None if w.offset is None else np.asarray(w.offset)[:, c:c + step],
                                w.bits)
-        rows = quantize(_dequantize_np(part), QuantScheme(8, None))
+        rows = quantize(dequantize_host(part), QuantScheme(8, None))
         values[c:c + step], scales[c:c + step] = rows.q.T, rows.scale.T
     return QuantizedTable(values, scales)
 
 
-def _dequantize_np(w: QuantizedWeight) -> np.ndarray:
-    """f32 [I, O] of a (small) quantized [I, O] weight, in numpy."""
-    q = np.asarray(w.q)
-    if w.bits == 4:
-        q = np.stack([q & 15, q >> 4], axis=-2).reshape(2 * q.shape[0], q.shape[1])
-    groups = w.scale.shape[-2]
-    out = q.reshape(groups, -1, q.shape[-1]).astype(np.float32) * np.asarray(
-        w.scale, np.float32)[:, None, :]
-    if w.offset is not None:
-        out += np.asarray(w.offset, np.float32)[:, None, :]
-    return out.reshape(q.shape)
-
-
 def dequantize_host(x) -> np.ndarray:
-    """The float32 value of a quantized tensor, on the host (saving, tests)."""
-    return np.asarray(jax.jit(lambda w: w.dequantize(jnp.float32))(x))
+    """The float32 value of a quantized tensor ([..., I, O], or a table's [V, E]), in numpy on
+    the host (saving, requantizing, tests): nothing goes through a device."""
+    if isinstance(x, QuantizedTable):
+        return np.asarray(x.values, np.float32) * np.asarray(x.scales, np.float32)
+    q = np.asarray(x.q)
+    if x.bits == 4:  # byte row r holds input rows 2r (low nibble) and 2r + 1
+        q = np.stack([q & 15, q >> 4], axis=-2).reshape(*q.shape[:-2], 2 * q.shape[-2],
+                                                          q.shape[-1])
+    *lead, rows, cols = q.shape
+    groups = x.scale.shape[-2]
+    w = (q.reshape(*lead, groups, rows // groups, cols).astype(np.float32)
+         * np.asarray(x.scale, np.float32)[..., None, :])
+    if x.offset is not None:
+        w += np.asarray(x.offset, np.float32)[..., None, :]
+    return w.reshape(*lead, rows, cols)
 
 
 # ---- multiplying on the device --------------------------------------------------------------

@@ -23,11 +23,14 @@
 #include <thread>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxkv::ParallelFor;
 
 constexpr int kScaleRow = 128;  // scale words per row (pallas_kernels/quant.py)
 constexpr int64_t kMinParallelKeys = 4096;  // (key, query head) pairs before using threads
@@ -137,30 +140,6 @@ void RowHead(const Problem& p, int64_t b, int64_t k) {
   for (int64_t h = 0; h < g; ++h) {
     const float inv = 1.f / std::max(l[h], 1e-30f);
     for (int64_t i = 0; i < d; ++i) out[h * d + i] = acc[h * d + i] * inv;
-  }
-}
-
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& task) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  const std::function<void(int64_t)>* fn = &task;
-  auto run = [shared, fn, n]() {
-    for (int64_t c; (c = shared->next.fetch_add(1)) < n;) {
-      (*fn)(c);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([run]() { run(); });
-  run();
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < n; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
   }
 }
 

@@ -34,11 +34,14 @@
 #include <thread>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxkv::ParallelFor;
 
 constexpr int kBlock = 32;      // inputs per activation scale
 constexpr int kLanes = 16;      // outputs per 512-bit vector
@@ -317,32 +320,6 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t inputs, int64_t
       float s = 0.f;
       for (int64_t i = g * group; i < (g + 1) * group; ++i) s += x[t * inputs + i];
       xsum[t * groups + g] = s;
-    }
-  }
-}
-
-// Runs chunk(c) for c in [0, n) on the caller and the pool's threads. Helpers that start after
-// the work is gone return at once, so the caller waits only on chunks already running.
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& chunk) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  const std::function<void(int64_t)>* fn = &chunk;
-  auto run = [shared, fn, n]() {
-    for (int64_t c; (c = shared->next.fetch_add(1)) < n;) {
-      (*fn)(c);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([run]() { run(); });
-  run();
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < n; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();  // a helper was descheduled: give it the core
     }
   }
 }
