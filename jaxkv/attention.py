@@ -9,7 +9,8 @@
   "pallas-gpu" / "pallas-tpu"  that platform's kernel whatever the default backend: for
                    compiling ahead of time for a chip this process does not run on.
 The runtime passes all layers' pages with a layer index, so kernels read one layer's pages in
-place instead of receiving a copied slice of the pool.
+place instead of receiving a copied slice of the pool. Kernels take the window as a static
+argument; `windowed_attention` picks a layer's window when layers differ (Gemma 2/3).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 
 from jaxkv.config import ATTENTION_IMPLS
 from pallas_kernels.api import paged_decode_attention, ragged_paged_attention
+from pallas_kernels.reference import dense_causal_attention
 from pallas_kernels.tpu_block_sizes import sublane_tile
 
 
@@ -62,17 +64,46 @@ def _backend(impl: str) -> tuple[str, bool]:
 
 
 def paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs, *,
-                    decode: bool, sm_scale, sliding_window=None, impl="auto", kv_scales=None):
+                    decode: bool, sm_scale, soft_cap=None, sliding_window=None, impl="auto",
+                    kv_scales=None):
     """[T, H, D] attention of a step's tokens over layer `layer` of [L, K, P, S, 2D] pages
     (quantized pages with their ``kv_scales`` i32[L, K, P, S]).
 
     ``decode`` (static): one token per row, rows aligned with tokens; uses the decode kernel.
     """
     backend, interpret = _backend(check_attention_impl(impl))
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer,
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                  layer=layer,
                   backend=backend, interpret=interpret, kv_scales=kv_scales)
     if decode:  # padding rows have kv_len 0, which the decode kernels treat as empty
         b = page_table.shape[0]
         return paged_decode_attention(q[:b], kv_pages, page_table, kv_lens, **common)
     return ragged_paged_attention(q, kv_pages, page_table, kv_lens, cu_q_lens, num_seqs,
                                   **common)
+
+
+def windowed_attention(read, windows, layer):
+    """``read(window)`` with layer ``layer``'s window from ``windows`` (one per layer). A
+    Python int layer (unrolled layers) picks it statically; a traced one (a scan over layers)
+    switches among the distinct windows, so each branch is a kernel with a static window and
+    only the layer's own branch runs."""
+    distinct = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    if len(distinct) == 1:
+        return read(distinct[0])
+    if isinstance(layer, int):
+        return read(windows[layer])
+    which = jax.numpy.asarray([distinct.index(w) for w in windows], jax.numpy.int32)[layer]
+    return jax.lax.switch(which, [lambda w=w: read(w) for w in distinct])
+
+
+def dense_attention(config):
+    """The model's ``attention(layer, q, k, v, carry)`` over one sequence with dense causal
+    attention and no pages (oracles, perplexity): each layer's window, the model's scale and
+    soft cap; the carry passes through."""
+    def attention(layer, q, k, v, carry):
+        def read(window):
+            return dense_causal_attention(q[None], k[None], v[None], sm_scale=config.sm_scale,
+                                          soft_cap=config.attn_softcap,
+                                          sliding_window=window)[0]
+        return windowed_attention(read, config.windows, layer), carry
+    return attention

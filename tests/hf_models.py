@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import transformers
 
-from pallas_kernels.reference import dense_causal_attention
+from jaxkv.attention import dense_attention
 
 # Tiny models gain nothing from intra-op threads, and on a small shared CI machine torch's
 # thread pool contends with XLA's (a 64-token `generate` went from ~0.25 s to 3-7 s).
@@ -42,6 +42,25 @@ SPECS: dict[str, tuple[type, dict]] = {
     "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32)),
     "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
     "mistral_swa": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=16)),
+    # Gemma: head_dim 32 (not hidden / heads), GeGLU, (1 + w) norms, scaled embeddings.
+    "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=32)),
+    # Gemma 2: soft caps small enough to bite on these logits (the real ones are 50 and 30),
+    # a query scale other than head_dim, local/global alternation over 3 layers. Gemma 2 and 3
+    # untie the LM head: on tiny random weights the tied head, reading the sqrt(E)-scaled
+    # embedding still in the residual stream, repeats the last token (greedy loops in 1-2
+    # tokens); the tied head is checked on "gemma".
+    "gemma2": (transformers.Gemma2Config, dict(tie_word_embeddings=False,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=16,
+        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # Gemma 3: q/k norms, two local layers then a global one (the real pattern is 5:1), the
+    # local RoPE base 10k and a linearly scaled global base 1M, no soft caps.
+    "gemma3": (transformers.Gemma3TextConfig, dict(tie_word_embeddings=False,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=16,
+        query_pre_attn_scalar=16, layer_types=["sliding_attention", "sliding_attention",
+                                               "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
+                                                rope_theta=1_000_000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10_000.0)})),
 }
 
 
@@ -86,11 +105,6 @@ def dense_logits(model, ids, config=None) -> np.ndarray:
         module.config = config
     c = module.config
 
-    def attention(layer, q_thd, k_tkd, v_tkd, carry):
-        out = dense_causal_attention(q_thd[None], k_tkd[None], v_tkd[None], sm_scale=c.sm_scale,
-                                     sliding_window=c.sliding_window)
-        return out[0], carry
-
     tokens = jnp.asarray(ids, jnp.int32)
-    hidden, _ = module(tokens, jnp.arange(len(ids), dtype=jnp.int32), attention, None)
+    hidden, _ = module(tokens, jnp.arange(len(ids), dtype=jnp.int32), dense_attention(c), None)
     return np.asarray(module.logits(hidden))

@@ -1,7 +1,8 @@
 """jaxkv against Hugging Face transformers' PyTorch models on the same (random) weights.
 
 Every supported family (Llama MHA/GQA/MQA, Llama-3 rope scaling, Qwen2 qkv bias + tied
-embeddings, Qwen3 q/k norm, Mistral with and without a sliding window) is built tiny in
+embeddings, Qwen3 q/k norm, Mistral with and without a sliding window, Gemma 1/2/3 with their
+norms, soft caps and local/global layers) is built tiny in
 `transformers`, saved as safetensors, loaded with `jaxkv.load_pretrained`, and compared on
 logits at every prompt position (dense attention), last-token logits of the batched paged
 prefill, and 64 greedy tokens against HF `generate`. Loading errors must name what is wrong.
@@ -47,7 +48,7 @@ LONG = _ids(130, seed=1)  # past the llama3 case's original context (64) and the
 # For paged prefill and greedy generation. 128 + 64 tokens keep every decode step's page-table
 # width in one bucket (9..12 pages of 16), so each model compiles a single decode program.
 PROMPTS = [_ids(128, seed=3), _ids(23, seed=4)]
-GREEDY_CASES = ("llama3_rope", "qwen2", "qwen3", "mistral_swa")  # one per family
+GREEDY_CASES = ("llama3_rope", "qwen2", "qwen3", "mistral_swa", "gemma2", "gemma3")
 GREEDY = jaxkv.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -114,9 +115,17 @@ def test_config_matches_hf(checkpoints, name):
     assert c.head_dim == (getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads)
     assert c.tie_word_embeddings == h.tie_word_embeddings
     assert c.attention_bias == (name == "qwen2")
-    assert c.qk_norm == (name == "qwen3")
-    assert c.sliding_window == (16 if name == "mistral_swa" else None)
-    assert (c.rope_scaling is not None) == (name == "llama3_rope")
+    assert c.qk_norm == (name in ("qwen3", "gemma3"))
+    assert c.sliding_window == (16 if name in ("mistral_swa", "gemma2", "gemma3") else None)
+    assert (c.rope_scaling is not None) == (name in ("llama3_rope", "gemma3"))
+    gemma = name.startswith("gemma")
+    assert (c.gemma_norm, c.scale_embeddings, c.hidden_act == "gelu_tanh") == (gemma,) * 3
+    assert c.sandwich_norm == (name in ("gemma2", "gemma3"))
+    types = getattr(h, "layer_types", None) if name in ("gemma2", "gemma3") else None
+    windows = [16 if t == "sliding_attention" else None for t in types] if types else \
+        [c.sliding_window] * c.num_layers
+    assert list(c.windows) == windows
+    assert (c.attn_softcap, c.final_softcap) == ((2.0, 3.0) if name == "gemma2" else (None,) * 2)
 
 
 def test_legacy_rope_scaling_key_reads_the_same(checkpoints, tmp_path):
@@ -144,9 +153,10 @@ def test_paged_prefill_last_logits(checkpoints, name):
         np.testing.assert_allclose(got[i], hf_logits(hf, p)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gemma3"])
 def test_scanned_layer_layout_matches_hf(checkpoints, name):
-    # The stacked + lax.scan layout (the GPU/TPU default) against the same oracle.
+    # The stacked + lax.scan layout (the GPU/TPU default) against the same oracle; on Gemma 3
+    # each scanned layer switches to its own window and RoPE by its traced index.
     hf, folder, _ = checkpoints(name)
     scanned = jaxkv.load_pretrained(folder, scan_layers=True)
     assert scanned.module().layers.scan
@@ -155,9 +165,11 @@ def test_scanned_layer_layout_matches_hf(checkpoints, name):
         np.testing.assert_allclose(got[i], hf_logits(hf, p)[-1], atol=ATOL, rtol=0)
 
 
-def test_chunked_paged_prefill_with_sliding_window(checkpoints):
-    # Second chunks start inside a page and attend to cached keys through the 16-token window.
-    hf, _, model = checkpoints("mistral_swa")
+@pytest.mark.parametrize("name", ["mistral_swa", "gemma2"])
+def test_chunked_paged_prefill_with_sliding_window(checkpoints, name):
+    # Second chunks start inside a page and attend to cached keys through the 16-token window
+    # (Gemma 2: on local layers only, global ones seeing the whole prompt).
+    hf, _, model = checkpoints(name)
     split = [57, 9]
     first, second = paged_prefill_logits(model, PROMPTS, split=split, page_size=16)
     for i, (p, s) in enumerate(zip(PROMPTS, split, strict=True)):
@@ -173,12 +185,20 @@ _SWITCH_OFF = {
     "qwen2": dict(attention_bias=False),
     "qwen3": dict(qk_norm=False),
     "mistral_swa": dict(sliding_window=None),
+    "gemma": dict(gemma_norm=False),
+    "gemma2": dict(attn_softcap=None),
+    "gemma2-final-cap": dict(final_softcap=None),
+    "gemma2-layer-types": dict(layer_types=None),  # the window on every layer
+    "gemma2-query-scale": dict(query_pre_attn_scalar=None),
+    "gemma3": dict(local_rope_theta=None),
+    "gemma3-window": dict(sliding_window=None),
+    "gemma3-sandwich": dict(sandwich_norm=False),
 }
 
 
 @pytest.mark.parametrize("name", list(_SWITCH_OFF))
 def test_cases_exercise_their_option(checkpoints, name):
-    hf, _, model = checkpoints(name)
+    hf, _, model = checkpoints(name.split("-")[0])
     off = dataclasses.replace(model.config, **_SWITCH_OFF[name])
     assert np.abs(dense_logits(model, LONG, off) - hf_logits(hf, LONG)).max() > 100 * ATOL
 

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
+from jaxkv.attention import dense_attention
 from jaxkv.model.quant import dequantize_host, is_quantized
 from pallas_kernels import quant
-from pallas_kernels.reference import dense_causal_attention
 
 SCHEMES = ("per-token", "smooth-weights", "smooth-calib", "mean", "rotate", "mean-rotate",
            "kivi-16")
@@ -59,13 +59,13 @@ def _forward(model, scheme, *, next_token: bool = False):
 
     @jax.jit
     def run(tokens, length):
+        exact = dense_attention(c)
+
         def attention(layer, q, k, v, carry):
             if scheme is not None:
                 k = scheme(k.astype(jnp.float32), layer, length).astype(k.dtype)
                 v = _qdq(v).astype(v.dtype)
-            out = dense_causal_attention(q[None], k[None], v[None], sm_scale=c.sm_scale,
-                                         sliding_window=c.sliding_window)
-            return out[0], carry
+            return exact(layer, q, k, v, carry)
 
         hidden = module(tokens, jnp.arange(tokens.shape[0]), attention, None)[0]
         return jnp.argmax(module.logits(hidden[length - 1])) if next_token else hidden
@@ -78,10 +78,11 @@ def key_statistics(model, ids):
 
     @jax.jit
     def keys(tokens):
+        exact = dense_attention(c)
+
         def attention(layer, q, k, v, carry):
-            out = dense_causal_attention(q[None], k[None], v[None], sm_scale=c.sm_scale)
-            mean, amax = carry
-            return out[0], (mean.at[layer].set(k.mean(0)), amax.at[layer].set(jnp.abs(k).max(0)))
+            out, (mean, amax) = exact(layer, q, k, v, carry)
+            return out, (mean.at[layer].set(k.mean(0)), amax.at[layer].set(jnp.abs(k).max(0)))
         zeros = jnp.zeros((c.num_layers, c.num_kv_heads, c.head_dim), jnp.float32)
         return module(tokens, jnp.arange(tokens.shape[0]), attention, (zeros, zeros))[1]
 

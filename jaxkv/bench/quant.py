@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
+from jaxkv.attention import dense_attention
 from jaxkv.bench import common
 from jaxkv.model.quant import QuantScheme
-from pallas_kernels.reference import dense_causal_attention
 
 NAME = "quant"
 VARIANTS = ("fp32", "bf16", "int8", "int8-g32", "int4-g32", "int4-g128", "gguf")
@@ -102,12 +102,7 @@ def perplexity(model, ids) -> float:
 
     @jax.jit
     def nll(tokens):
-        def attention(layer, q, k, v, carry):
-            out = dense_causal_attention(q[None], k[None], v[None], sm_scale=c.sm_scale,
-                                         sliding_window=c.sliding_window)
-            return out[0], carry
-
-        hidden, _ = module(tokens, jnp.arange(tokens.shape[0]), attention, None)
+        hidden, _ = module(tokens, jnp.arange(tokens.shape[0]), dense_attention(c), None)
         logp = jax.nn.log_softmax(module.logits(hidden[:-1]), axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, tokens[1:, None], axis=-1))
 

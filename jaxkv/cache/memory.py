@@ -52,6 +52,7 @@ class ModelShape:
     attention_bias: bool = False
 
     qk_norm: bool = False
+    sandwich_norm: bool = False  # Gemma 2/3's post-attention and post-MLP norms
 
     def num_params(self) -> int:
         """Parameter count (the model's own formula, `jaxkv.model.config.count_params`)."""
@@ -91,8 +92,9 @@ class ModelShape:
         return cls(name=name or str(default_name), **read_dims(get))
 
 
-def _preset(name, L, E, F, H, K, D, V, tied=False, bias=False) -> ModelShape:
-    return ModelShape(name, L, E, F, H, K, D, V, tied, bias)
+def _preset(name, L, E, F, H, K, D, V, tied=False, bias=False, qk_norm=False,
+            sandwich=False) -> ModelShape:
+    return ModelShape(name, L, E, F, H, K, D, V, tied, bias, qk_norm, sandwich)
 
 
 # Values copied from the published config.json files.
@@ -106,6 +108,11 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     _preset("llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256),
     _preset("mistral-7b", 32, 4096, 14336, 32, 8, 128, 32000),
     _preset("qwen2.5-7b", 28, 3584, 18944, 28, 4, 128, 152064, bias=True),
+    _preset("gemma-2-2b", 26, 2304, 9216, 8, 4, 256, 256000, tied=True, sandwich=True),
+    _preset("gemma-3-1b", 26, 1152, 6912, 4, 1, 256, 262144, tied=True, qk_norm=True,
+            sandwich=True),
+    _preset("gemma-3-4b", 34, 2560, 10240, 8, 4, 256, 262208, tied=True, qk_norm=True,
+            sandwich=True),
 ]}
 
 

@@ -1,4 +1,4 @@
-"""Model configuration: a frozen, hashable description of a Llama-family decoder.
+"""Model configuration: a frozen, hashable description of a decoder (Llama family, Gemma 1-3).
 
 `ModelConfig.from_hf` reads a Hugging Face ``config.json`` (through ``transformers.AutoConfig``)
 and refuses, by name, any architecture or option this implementation does not compute exactly.
@@ -14,7 +14,9 @@ from typing import Any
 
 from jaxkv.errors import CheckpointNotFoundError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` values
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -47,7 +49,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projection biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    sliding_window: int | None = None  # every layer (Mistral); None = full attention
+    sliding_window: int | None = None  # None = full attention everywhere
+    # Per layer, SLIDING or FULL (Gemma 2/3): the window applies to SLIDING layers only;
+    # None: to every layer (Mistral).
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # RoPE base of SLIDING layers (Gemma 3), unscaled
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (Gemma)
+    gemma_norm: bool = False  # RMSNorm scales by (1 + w), in float32 (Gemma)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norm: bool = False  # also normalize attention and MLP outputs (Gemma 2/3)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) (Gemma 2/3)
+    attn_softcap: float | None = None  # attention logits -> cap * tanh(x / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits (Gemma 2)
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -63,10 +76,42 @@ class ModelConfig:
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries "
+                                 f"for {self.num_layers} layers")
+            bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+            if bad:
+                raise ValueError(f"ModelConfig.layer_types: unknown {bad}; each is "
+                                 f"{SLIDING!r} or {FULL!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ModelConfig.hidden_act must be 'silu' or 'gelu_tanh', "
+                             f"got {self.hidden_act!r}")
 
     @property
     def sm_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through a sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == SLIDING
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it sees the whole sequence)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's window, in layer order."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    def attention_options(self, layer: int) -> dict[str, Any]:
+        """The keyword options of attention in layer ``layer`` (a Python int): ``sm_scale``,
+        ``soft_cap`` and ``sliding_window``, as every attention function takes them."""
+        return dict(sm_scale=self.sm_scale, soft_cap=self.attn_softcap,
+                    sliding_window=self.layer_window(layer))
 
     def num_params(self) -> int:
         """Parameter count, for memory planning and model cards."""
@@ -104,12 +149,17 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` content for this config (used to save checkpoints)."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}[self.model_type]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**dataclasses.asdict(self.rope_scaling), "rope_theta": self.rope_theta}
+        if self.model_type == "gemma3_text":
+            local = self.rope_theta if self.local_rope_theta is None else self.local_rope_theta
+            rope = {FULL: rope, SLIDING: {"rope_type": "default", "rope_theta": local}}
         eos = list(self.eos_token_ids)
-        return {
+        out = {
             "architectures": [arch],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
@@ -129,6 +179,19 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         }
+        if self.model_type in GEMMA_TYPES:
+            del out["hidden_act"], out["rope_theta"]
+            out["hidden_activation"] = "gelu_pytorch_tanh"
+        if self.model_type in ("gemma2", "gemma3_text"):
+            scalar = self.query_pre_attn_scalar
+            out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                       attn_logit_softcapping=self.attn_softcap,
+                       final_logit_softcapping=self.final_softcap,
+                       sliding_window=self.sliding_window,
+                       layer_types=list(self.layer_types or [FULL] * self.num_layers))
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        return out
 
 
 def _rope_dict(hf) -> dict[str, Any]:
@@ -155,19 +218,67 @@ def read_dims(get: Callable[..., Any]) -> dict[str, Any]:
         vocab_size=int(get("vocab_size")),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        sandwich_norm=model_type in ("gemma2", "gemma3_text"),
     )
 
 
 def count_params(shape) -> int:
-    """Parameter count of a Llama-family decoder (gated MLP, RMSNorm; q/k/v biases and q/k
-    norms when the shape has them), from any object with `read_dims`' fields."""
+    """Parameter count of a Llama-family decoder (gated MLP, RMSNorm; q/k/v biases, q/k
+    norms and Gemma's post-attention/post-MLP norms when the shape has them), from any object
+    with `read_dims`' fields."""
     e, h, k, d, f, v = (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                         shape.intermediate_size, shape.vocab_size)
     layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f + 2 * e
     layer += (h * d + 2 * k * d) if shape.attention_bias else 0
     layer += 2 * d if shape.qk_norm else 0
+    layer += 2 * e if shape.sandwich_norm else 0
     return v * e * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + e
+
+
+def _rope(rope: dict, hf, where: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) of one HF rope-parameters dict; ``where`` names it in errors."""
+    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"{where}partial_rotary_factor={partial} is not supported "
+                                    "(only 1)")
+    theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"{where}rope_type {rope_type!r} is not supported; jaxkv "
+                                    f"implements {_SUPPORTED_ROPE_TYPES}")
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            rope_type="llama3",
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    if rope_type == "linear":
+        return theta, RopeScaling(rope_type="linear", factor=float(rope["factor"]))
+    return theta, None
+
+
+def _gemma_options(hf, model_type: str) -> dict[str, Any]:
+    """The ModelConfig fields that set Gemma 1/2/3 apart from Llama."""
+    act = getattr(hf, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"hidden_activation {act!r} is not supported on "
+                                    f"{model_type} (only 'gelu_pytorch_tanh')")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("use_bidirectional_attention=True is not supported "
+                                    "(jaxkv serves causal decoders)")
+    out: dict[str, Any] = dict(hidden_act="gelu_tanh", gemma_norm=True, scale_embeddings=True)
+    if model_type == "gemma":
+        return out
+    types = tuple(getattr(hf, "layer_types", None) or ())
+    out.update(query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+               attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+               final_softcap=getattr(hf, "final_logit_softcapping", None),
+               layer_types=types or None,
+               sliding_window=getattr(hf, "sliding_window", None) if SLIDING in types else None)
+    return out
 
 
 def _from_hf_config(hf) -> ModelConfig:
@@ -176,39 +287,32 @@ def _from_hf_config(hf) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; jaxkv implements {SUPPORTED_MODEL_TYPES}"
         )
-    act = getattr(hf, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+    gemma = model_type in GEMMA_TYPES
+    if not gemma and getattr(hf, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r} is not supported "
+                                    "(only 'silu')")
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True is not supported")
     if getattr(hf, "pretraining_tp", 1) not in (None, 1):
         raise UnsupportedModelError(f"pretraining_tp={hf.pretraining_tp} is not supported")
 
     rope = _rope_dict(hf)
-    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported (only 1)")
-    rope_theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"rope_type {rope_type!r} is not supported; jaxkv implements {_SUPPORTED_ROPE_TYPES}"
-        )
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            rope_type="llama3",
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type == "linear":
-        scaling = RopeScaling(rope_type="linear", factor=float(rope["factor"]))
+    local_theta = None
+    if FULL in rope or SLIDING in rope:  # Gemma 3: a rope per layer type
+        rope_theta, scaling = _rope(rope.get(FULL) or {}, hf, f"rope_parameters[{FULL!r}]: ")
+        local_theta, local_scaling = _rope(rope.get(SLIDING) or {}, hf,
+                                           f"rope_parameters[{SLIDING!r}]: ")
+        if local_scaling is not None:
+            raise UnsupportedModelError(f"rope_parameters[{SLIDING!r}]: scaled RoPE on "
+                                        "sliding layers is not supported")
+    else:
+        rope_theta, scaling = _rope(rope, hf, "")
 
-    sliding_window = None
-    if model_type == "mistral":
-        sliding_window = getattr(hf, "sliding_window", None)
+    options: dict[str, Any] = {}
+    if gemma:
+        options = _gemma_options(hf, model_type)
+    elif model_type == "mistral":
+        options = dict(sliding_window=getattr(hf, "sliding_window", None))
     elif getattr(hf, "use_sliding_window", False):
         raise UnsupportedModelError(
             f"use_sliding_window=True on {model_type} (per-layer windows) is not supported"
@@ -221,11 +325,12 @@ def _from_hf_config(hf) -> ModelConfig:
 
     return ModelConfig(
         **read_dims(get),
+        **options,
         rms_norm_eps=float(hf.rms_norm_eps),
         rope_theta=rope_theta,
         rope_scaling=scaling,
+        local_rope_theta=local_theta if local_theta != rope_theta or scaling else None,
         max_position_embeddings=hf.max_position_embeddings,
-        sliding_window=sliding_window,
         model_type=model_type,
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=tuple(int(i) for i in eos_ids),

@@ -1,4 +1,6 @@
-"""Llama-family decoder in Flax NNX, applied to a flat batch of tokens.
+"""Llama-family decoder in Flax NNX, applied to a flat batch of tokens: Llama, Mistral, Qwen2,
+Qwen3, and Gemma 1/2/3 (their differences are `ModelConfig` fields: (1 + w) norms, scaled
+embeddings, GeGLU, post-attention/post-MLP norms, logit soft caps, per-layer windows and RoPE).
 
 Axes: T tokens (ragged sequences flattened), E hidden, F MLP hidden, V vocab, L layers,
 H query heads, K kv heads, D head_dim.
@@ -36,11 +38,19 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[
 LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # quantizable [in, out] weights
 
 
-def rms_norm(x, weight, eps: float):
-    """HF RMSNorm: normalize in float32, cast back, then scale."""
+def rms_norm(x, weight, eps: float, gemma: bool = False):
+    """HF RMSNorm: normalize in float32, cast back, then scale. ``gemma``: scale by (1 + w) in
+    float32, then cast (HF's GemmaRMSNorm)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if gemma:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def gated_activation(x, kind: str):
+    """The gate's activation: SiLU (Llama) or tanh-approximated GELU (Gemma's GeGLU)."""
+    return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
 
 
 class DecoderLayers(nnx.Module):
@@ -67,12 +77,14 @@ class DecoderLayers(nnx.Module):
             shapes.update(bq=(hd,), bk=(kd,), bv=(kd,))
         if c.qk_norm:
             shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+        if c.sandwich_norm:
+            shapes.update(post_attn_norm=(e,), post_mlp_norm=(e,))
 
         def make(name, shape):
             if quantization is not None and name in LINEAR:  # filled by loading / quantize
                 return nnx.Param(placeholder_weight(shape, quantization))
-            if name.endswith("norm"):
-                return nnx.Param(jnp.ones(shape, param_dtype))
+            if name.endswith("norm"):  # the identity: w = 1, or 0 for a (1 + w) norm
+                return nnx.Param(jnp.full(shape, 0 if c.gemma_norm else 1, param_dtype))
             if name.startswith("b"):
                 return nnx.Param(jnp.zeros(shape, param_dtype))
             return nnx.Param(init(rngs.params(), shape, param_dtype))
@@ -96,7 +108,7 @@ class DecoderLayers(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """A Llama/Mistral/Qwen2/Qwen3 decoder. ``dtype`` is the compute dtype.
+    """A Llama/Mistral/Qwen2/Qwen3/Gemma decoder. ``dtype`` is the compute dtype.
 
     ``quantization`` (a `QuantScheme`): the linear layers (and, with ``embedding``, the
     embedding and LM head) hold quantized weights (`jaxkv.model.quant`), placeholders until a
@@ -125,7 +137,7 @@ class Llama(nnx.Module):
                                else init(rngs.params(), (v, e), param_dtype))
         self.layers = DecoderLayers(config, scan=scan_layers, param_dtype=param_dtype,
                                     rngs=rngs, quantization=quantization)
-        self.final_norm = nnx.Param(jnp.ones((e,), param_dtype))
+        self.final_norm = nnx.Param(jnp.full((e,), 0 if config.gemma_norm else 1, param_dtype))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(
                 placeholder_weight((e, v), QuantScheme(8, None)) if quant_embed
@@ -136,10 +148,16 @@ class Llama(nnx.Module):
         c = self.config
         t = tokens_t.shape[0]
         x = embed_lookup(self.embed.get_value(), tokens_t, self.dtype)
+        if c.scale_embeddings:  # HF rounds sqrt(E) to the compute dtype first
+            x = x * jnp.asarray(c.hidden_size ** 0.5, self.dtype)
         # Recomputed from the static config at trace time (a host constant): an array attribute
         # would become a placeholder under `nnx.eval_shape`, which checkpoint loading uses.
-        cos, sin = rope_cos_sin(positions_t, inverse_frequencies(c))
+        rope = rope_cos_sin(positions_t, inverse_frequencies(c))
+        local_rope = rope if c.local_rope_theta is None else \
+            rope_cos_sin(positions_t, inverse_frequencies(c, local=True))
+        sliding = jnp.asarray([c.is_sliding(i) for i in range(c.num_layers)])
         kernel = self.matmul_kernel()
+        gemma = c.gemma_norm
 
         def layer(state, xs):
             x, carry = state
@@ -150,7 +168,12 @@ class Llama(nnx.Module):
                 split = "row" if name in ("wo", "w_down") else "column"
                 return qdot(a, p[name], self.dtype, kernel=kernel, split=split, mesh=self.mesh)
 
-            h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+            if isinstance(index, int):  # unrolled layers: each picks its RoPE statically
+                cos, sin = local_rope if c.is_sliding(index) else rope
+            else:
+                cos, sin = (jnp.where(sliding[index], a, b)
+                            for a, b in zip(local_rope, rope, strict=True))
+            h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, gemma)
             q, k, v = mm(h, "wq"), mm(h, "wk"), mm(h, "wv")
             if c.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
@@ -158,14 +181,19 @@ class Llama(nnx.Module):
             k = k.reshape(t, c.num_kv_heads, c.head_dim)
             v = v.reshape(t, c.num_kv_heads, c.head_dim)
             if c.qk_norm:
-                q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-                k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+                q = rms_norm(q, p["q_norm"], c.rms_norm_eps, gemma)
+                k = rms_norm(k, p["k_norm"], c.rms_norm_eps, gemma)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out, carry = attention(index, q, k, v, carry)
-            x = x + mm(out.reshape(t, -1).astype(self.dtype), "wo")
-            h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-            x = x + mm(jax.nn.silu(mm(h, "w_gate")) * mm(h, "w_up"), "w_down")
-            return (x, carry), None
+            h = mm(out.reshape(t, -1).astype(self.dtype), "wo")
+            if c.sandwich_norm:
+                h = rms_norm(h, p["post_attn_norm"], c.rms_norm_eps, gemma)
+            x = x + h
+            h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps, gemma)
+            h = mm(gated_activation(mm(h, "w_gate"), c.hidden_act) * mm(h, "w_up"), "w_down")
+            if c.sandwich_norm:
+                h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps, gemma)
+            return (x + h, carry), None
 
         if self.layers.scan:
             xs = (self.layers.stacked(), jnp.arange(c.num_layers))
@@ -173,7 +201,7 @@ class Llama(nnx.Module):
         else:
             for i in range(c.num_layers):
                 (x, carry), _ = layer((x, carry), (self.layers.layer(i), i))
-        return rms_norm(x, self.final_norm[...], c.rms_norm_eps), carry
+        return rms_norm(x, self.final_norm[...], c.rms_norm_eps, gemma), carry
 
     def matmul_kernel(self) -> str:
         """Which `qdot` kernel multiplies quantized weights: the platform's ("cpu", "gpu",
@@ -183,15 +211,16 @@ class Llama(nnx.Module):
         return platform if self.integer_dot and platform in ("cpu", "gpu", "tpu") else "xla"
 
     def logits(self, hidden):
-        """f32[..., V] next-token logits of hidden states [..., E]."""
-        if self.config.tie_word_embeddings:
-            lead = hidden.shape[:-1]
-            logits = embedding_logits(hidden.reshape(-1, hidden.shape[-1]),
-                                      self.embed.get_value(), self.dtype,
-                                      kernel=self.matmul_kernel(), mesh=self.mesh)
-            return logits.reshape(*lead, -1)
+        """f32[..., V] next-token logits of hidden states [..., E] (soft-capped if the model
+        caps them: Gemma 2)."""
         lead = hidden.shape[:-1]
-        logits = qdot(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.get_value(),
-                      self.dtype, kernel=self.matmul_kernel(), split="column",
-                      mesh=self.mesh)
-        return logits.astype(jnp.float32).reshape(*lead, -1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.config.tie_word_embeddings:
+            logits = embedding_logits(flat, self.embed.get_value(), self.dtype,
+                                      kernel=self.matmul_kernel(), mesh=self.mesh)
+        else:
+            logits = qdot(flat, self.lm_head.get_value(), self.dtype,
+                          kernel=self.matmul_kernel(), split="column", mesh=self.mesh)
+        logits = logits.astype(jnp.float32).reshape(*lead, -1)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -47,7 +47,19 @@ _LAYER_TENSORS = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+# Gemma 2/3 normalize each block's output too: HF's post_attention_layernorm is then the norm
+# after attention, and the MLP's input norm is pre_feedforward_layernorm.
+_SANDWICH_TENSORS = {
+    "post_attn_norm": ("post_attention_layernorm.weight", False),
+    "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def layer_tensors(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """jaxkv layer param -> (HF name inside ``model.layers.{i}.``, transposed?)."""
+    return {**_LAYER_TENSORS, **_SANDWICH_TENSORS} if config.sandwich_norm else _LAYER_TENSORS
 
 
 def tensor_files(folder: Path) -> list[Path]:
@@ -98,7 +110,7 @@ def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int,
     out["model.norm.weight"] = ("final_norm", None, False, (c.hidden_size,))
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = ("lm_head", None, True, (c.vocab_size, c.hidden_size))
-    for name, (hf, transpose) in _LAYER_TENSORS.items():
+    for name, (hf, transpose) in layer_tensors(c).items():
         if name not in model.layers.names:
             continue
         shape = tuple(model.layers.param(name, 0).shape[1 if model.layers.scan else 0:])

@@ -10,12 +10,15 @@ import numpy as np
 from jaxkv.model.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """f32[D/2] inverse frequencies, with Llama-3 or linear scaling applied if configured."""
+def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarray:
+    """f32[D/2] inverse frequencies, with Llama-3 or linear scaling applied if configured.
+    ``local``: those of sliding-window layers with a base of their own (Gemma 3's
+    ``local_rope_theta``, never scaled)."""
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
     inv = inv.astype(np.float32)
-    rs = config.rope_scaling
+    rs = None if local else config.rope_scaling
     if rs is None:
         return inv
     if rs.rope_type == "linear":

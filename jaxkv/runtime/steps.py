@@ -30,7 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxkv.attention import check_attention_impl, kernel_for, paged_attention
+from jaxkv.attention import (
+    check_attention_impl,
+    kernel_for,
+    paged_attention,
+    windowed_attention,
+)
 from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, rotate_queries, write_kv
 from jaxkv.runtime.batch import StepBatch
@@ -126,13 +131,14 @@ def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offset
     def attend(q, k, v, kv, layer, write_pages, write_offsets, page_table, kv_lens,
                cu_q_lens, num_seqs):
         kv_pages, kv_scales = write_kv(kv[0], layer, k, v, write_pages, write_offsets, kv[1])
-        out = paged_attention(  # quantized pages hold rotated keys: q is rotated alike
-            rotate_queries(q, kv_scales), kv_pages, layer, page_table, kv_lens, cu_q_lens,
-            num_seqs,
-            decode=decode, sm_scale=c.sm_scale, sliding_window=c.sliding_window,
-            impl=impl, kv_scales=kv_scales,
-        )
-        return out, (kv_pages, kv_scales)
+        q = rotate_queries(q, kv_scales)  # quantized pages hold rotated keys: q is rotated alike
+
+        def read(window):
+            return paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
+                                   decode=decode, sm_scale=c.sm_scale, soft_cap=c.attn_softcap,
+                                   sliding_window=window, impl=impl, kv_scales=kv_scales)
+
+        return windowed_attention(read, c.windows, layer), (kv_pages, kv_scales)
 
     if mesh is not None:  # each device: its heads, its kv heads' pages (no communication)
         attend = sharded_attention(attend, mesh)

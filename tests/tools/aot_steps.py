@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxkv.cache.memory import PRESETS
 from jaxkv.kv import init_state, kv_bytes_per_token
-from jaxkv.model.config import ModelConfig
+from jaxkv.model.config import ModelConfig, RopeScaling
 from jaxkv.model.llama import Llama
 from jaxkv.model.quant import QuantScheme
 from jaxkv.runtime.batch import PageTable, padding_batch
@@ -48,14 +48,41 @@ class StepCase:
         return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}{w}"
 
 
+def _gemma(version: int, layers: int, window: int, **options) -> dict:
+    """Gemma 2 (1:1 local:global) or Gemma 3 (5:1) options, as their config.json files set them."""
+    period = 2 if version == 2 else 6
+    types = tuple("sliding_attention" if (i + 1) % period else "full_attention"
+                  for i in range(layers))
+    return dict(model_type="gemma2" if version == 2 else "gemma3_text", hidden_act="gelu_tanh",
+                gemma_norm=True, scale_embeddings=True, query_pre_attn_scalar=256.0,
+                sliding_window=window, layer_types=types, **options)
+
+
+# Architecture options of the presets that are not Llama-like (the shape comes from PRESETS).
+ARCHITECTURES = {
+    "gemma-2-2b": _gemma(2, 26, 4096, attn_softcap=50.0, final_softcap=30.0),
+    "gemma-3-1b": _gemma(3, 26, 512, rope_theta=1_000_000.0, local_rope_theta=10_000.0),
+    "gemma-3-4b": _gemma(3, 34, 1024, rope_theta=1_000_000.0, local_rope_theta=10_000.0,
+                         rope_scaling=RopeScaling(rope_type="linear", factor=8.0)),
+}
+
+
 def config_of(preset: str) -> ModelConfig:
-    """A ModelConfig with the shape of a memory-planning preset (e.g. "llama-3.2-1b")."""
+    """A ModelConfig with the shape of a memory-planning preset (e.g. "llama-3.2-1b"), and
+    for Gemma presets their architecture options."""
     s = PRESETS[preset]
     return ModelConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size,
                        intermediate_size=s.intermediate_size, num_layers=s.num_layers,
                        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                        tie_word_embeddings=s.tie_word_embeddings,
-                       attention_bias=s.attention_bias, max_position_embeddings=131_072)
+                       attention_bias=s.attention_bias, qk_norm=s.qk_norm,
+                       sandwich_norm=s.sandwich_norm, max_position_embeddings=131_072,
+                       **ARCHITECTURES.get(preset, {}))
+
+
+def attention_kernels(preset: str) -> int:
+    """Attention kernels a step of ``preset`` compiles: one per distinct layer window."""
+    return len(set(config_of(preset).windows))
 
 
 @functools.cache
