@@ -4,6 +4,7 @@ Megatron-style split, written as shardings for XLA's partitioner (GSPMD):
 
 - attention: wq, wk, wv (and their biases) split by output column, i.e. by head; wo by row;
 - MLP: w_gate, w_up by column, w_down by row (one all-reduce after wo, one after w_down);
+  a mixture of experts alike, every expert's MLP split by its width (the router replicated);
 - embedding [V, E] and lm_head [E, V] split over the vocabulary;
 - KV pages [L, K, P, S, 2D] split by kv head, so each device stores the K/V of its own heads;
   each step's page table is replicated: one page table serves all shards, and the host
@@ -37,8 +38,8 @@ from jaxkv.model.llama import Llama
 from jaxkv.model.pretrained import Model
 
 TP = "tp"
-_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [E, out]: split the output
-_ROW = ("wo", "w_down")  # [in, E]: split the input
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "experts_gate", "experts_up")  # [.., E, out]
+_ROW = ("wo", "w_down", "experts_down")  # [.., in, E]: split the input
 _BIAS = ("bq", "bk", "bv")
 
 
@@ -61,6 +62,7 @@ def check_divisible(config: ModelConfig, tp: int) -> None:
     """Raises ValueError naming the dimension that does not split over ``tp`` devices."""
     for name, value in (("num_heads", config.num_heads),
                         ("intermediate_size", config.intermediate_size),
+                        ("moe_intermediate_size", config.moe_intermediate_size),
                         ("vocab_size", config.vocab_size)):
         if value % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")

@@ -61,6 +61,16 @@ SPECS: dict[str, tuple[type, dict]] = {
         rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
                                                 rope_theta=1_000_000.0),
                          "sliding_attention": dict(rope_type="default", rope_theta=10_000.0)})),
+    # Mixtral: top-2 of 4 experts, renormalized.
+    "mixtral": (transformers.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4,
+                                                 num_experts_per_tok=2, sliding_window=None)),
+    # Qwen3-MoE: top-3 of 8 narrower experts, not renormalized, q/k norms, and layer 1 dense
+    # (mlp_only_layers) between two MoE layers. Init 0.2: at 0.1 the greedy reply to the
+    # 128-token prompt loops over 3 tokens.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        initializer_range=0.2, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[1])),
 }
 
 

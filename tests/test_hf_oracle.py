@@ -2,7 +2,8 @@
 
 Every supported family (Llama MHA/GQA/MQA, Llama-3 rope scaling, Qwen2 qkv bias + tied
 embeddings, Qwen3 q/k norm, Mistral with and without a sliding window, Gemma 1/2/3 with their
-norms, soft caps and local/global layers) is built tiny in
+norms, soft caps and local/global layers, Mixtral and Qwen3-MoE with their routing) is built
+tiny in
 `transformers`, saved as safetensors, loaded with `jaxkv.load_pretrained`, and compared on
 logits at every prompt position (dense attention), last-token logits of the batched paged
 prefill, and 64 greedy tokens against HF `generate`. Loading errors must name what is wrong.
@@ -48,7 +49,8 @@ LONG = _ids(130, seed=1)  # past the llama3 case's original context (64) and the
 # For paged prefill and greedy generation. 128 + 64 tokens keep every decode step's page-table
 # width in one bucket (9..12 pages of 16), so each model compiles a single decode program.
 PROMPTS = [_ids(128, seed=3), _ids(23, seed=4)]
-GREEDY_CASES = ("llama3_rope", "qwen2", "qwen3", "mistral_swa", "gemma2", "gemma3")
+GREEDY_CASES = ("llama3_rope", "qwen2", "qwen3", "mistral_swa", "gemma2", "gemma3", "mixtral",
+                "qwen3_moe")
 GREEDY = jaxkv.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -115,7 +117,9 @@ def test_config_matches_hf(checkpoints, name):
     assert c.head_dim == (getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads)
     assert c.tie_word_embeddings == h.tie_word_embeddings
     assert c.attention_bias == (name == "qwen2")
-    assert c.qk_norm == (name in ("qwen3", "gemma3"))
+    assert c.qk_norm == (name in ("qwen3", "gemma3", "qwen3_moe"))
+    assert (c.num_experts, c.num_experts_per_tok, c.dense_layers) == {
+        "mixtral": (4, 2, ()), "qwen3_moe": (8, 3, (1,))}.get(name, (0, 0, ()))
     assert c.sliding_window == (16 if name in ("mistral_swa", "gemma2", "gemma3") else None)
     assert (c.rope_scaling is not None) == (name in ("llama3_rope", "gemma3"))
     gemma = name.startswith("gemma")
@@ -153,7 +157,7 @@ def test_paged_prefill_last_logits(checkpoints, name):
         np.testing.assert_allclose(got[i], hf_logits(hf, p)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gemma3", "mixtral"])
 def test_scanned_layer_layout_matches_hf(checkpoints, name):
     # The stacked + lax.scan layout (the GPU/TPU default) against the same oracle; on Gemma 3
     # each scanned layer switches to its own window and RoPE by its traced index.
@@ -193,6 +197,8 @@ _SWITCH_OFF = {
     "gemma3": dict(local_rope_theta=None),
     "gemma3-window": dict(sliding_window=None),
     "gemma3-sandwich": dict(sandwich_norm=False),
+    "mixtral": dict(num_experts_per_tok=1),
+    "qwen3_moe": dict(norm_topk_prob=True),
 }
 
 

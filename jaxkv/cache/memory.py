@@ -53,6 +53,8 @@ class ModelShape:
 
     qk_norm: bool = False
     sandwich_norm: bool = False  # Gemma 2/3's post-attention and post-MLP norms
+    num_experts: int = 0  # a mixture of experts in every layer (Mixtral, Qwen3-MoE)
+    moe_intermediate_size: int = 0
 
     def num_params(self) -> int:
         """Parameter count (the model's own formula, `jaxkv.model.config.count_params`)."""

@@ -14,7 +14,8 @@ from typing import Any
 
 from jaxkv.errors import CheckpointNotFoundError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                         "mixtral", "qwen3_moe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` values
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -61,6 +62,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) (Gemma 2/3)
     attn_softcap: float | None = None  # attention logits -> cap * tanh(x / cap) (Gemma 2)
     final_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    # Mixture of experts (Mixtral, Qwen3-MoE): each token's MLP is the weighted sum of its
+    # top `num_experts_per_tok` of `num_experts` gated MLPs of width `moe_intermediate_size`.
+    num_experts: int = 0  # 0: every layer has one dense MLP
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense MLP (Qwen3-MoE)
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -84,6 +92,11 @@ class ModelConfig:
             if bad:
                 raise ValueError(f"ModelConfig.layer_types: unknown {bad}; each is "
                                  f"{SLIDING!r} or {FULL!r}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be in 1..{self.num_experts}, "
+                             f"got {self.num_experts_per_tok}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError("ModelConfig.moe_intermediate_size must be positive with experts")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"ModelConfig.hidden_act must be 'silu' or 'gelu_tanh', "
                              f"got {self.hidden_act!r}")
@@ -91,6 +104,10 @@ class ModelConfig:
     @property
     def sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer ``layer`` attends through a sliding window."""
@@ -151,7 +168,8 @@ class ModelConfig:
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}[self.model_type]
+                "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**dataclasses.asdict(self.rope_scaling), "rope_theta": self.rope_theta}
@@ -189,8 +207,17 @@ class ModelConfig:
                        final_logit_softcapping=self.final_softcap,
                        sliding_window=self.sliding_window,
                        layer_types=list(self.layer_types or [FULL] * self.num_layers))
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "mixtral":
+            out.update(num_local_experts=self.num_experts,
+                       num_experts_per_tok=self.num_experts_per_tok,
+                       intermediate_size=self.moe_intermediate_size)
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                       mlp_only_layers=list(self.dense_layers))
         return out
 
 
@@ -218,9 +245,21 @@ def read_dims(get: Callable[..., Any]) -> dict[str, Any]:
         vocab_size=int(get("vocab_size")),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         sandwich_norm=model_type in ("gemma2", "gemma3_text"),
+        **_expert_dims(model_type, get),
     )
+
+
+def _expert_dims(model_type, get) -> dict[str, int]:
+    """num_experts and moe_intermediate_size of a MoE config (none for a dense one)."""
+    if model_type == "mixtral":
+        return dict(num_experts=int(get("num_local_experts")),
+                    moe_intermediate_size=int(get("intermediate_size")))
+    if model_type == "qwen3_moe" and int(get("num_experts", 0) or 0):
+        return dict(num_experts=int(get("num_experts")),
+                    moe_intermediate_size=int(get("moe_intermediate_size")))
+    return {}
 
 
 def count_params(shape) -> int:
@@ -233,7 +272,12 @@ def count_params(shape) -> int:
     layer += (h * d + 2 * k * d) if shape.attention_bias else 0
     layer += 2 * d if shape.qk_norm else 0
     layer += 2 * e if shape.sandwich_norm else 0
-    return v * e * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + e
+    total = v * e * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + e
+    x, fm = getattr(shape, "num_experts", 0), getattr(shape, "moe_intermediate_size", 0)
+    if x:  # MoE layers: a router and x experts in place of the dense MLP
+        moe = sum(1 for i in range(shape.num_layers) if i not in getattr(shape, "dense_layers", ()))
+        total += moe * (e * x + 3 * x * e * fm - 3 * e * f)
+    return total
 
 
 def _rope(rope: dict, hf, where: str) -> tuple[float, RopeScaling | None]:
@@ -281,6 +325,19 @@ def _gemma_options(hf, model_type: str) -> dict[str, Any]:
     return out
 
 
+def _moe_options(hf, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of Mixtral and Qwen3-MoE configs."""
+    if model_type == "mixtral":  # softmax, top-k, renormalized: softmax over the top-k
+        return dict(num_experts_per_tok=int(hf.num_experts_per_tok), norm_topk_prob=True)
+    if not int(getattr(hf, "num_experts", 0) or 0):
+        return {}
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    only = set(getattr(hf, "mlp_only_layers", None) or ())
+    dense = tuple(i for i in range(int(hf.num_hidden_layers)) if i in only or (i + 1) % step)
+    return dict(num_experts_per_tok=int(hf.num_experts_per_tok),
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)), dense_layers=dense)
+
+
 def _from_hf_config(hf) -> ModelConfig:
     model_type = getattr(hf, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -311,8 +368,10 @@ def _from_hf_config(hf) -> ModelConfig:
     options: dict[str, Any] = {}
     if gemma:
         options = _gemma_options(hf, model_type)
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
         options = dict(sliding_window=getattr(hf, "sliding_window", None))
+    if model_type in ("mixtral", "qwen3_moe"):
+        options.update(_moe_options(hf, model_type))
     elif getattr(hf, "use_sliding_window", False):
         raise UnsupportedModelError(
             f"use_sliding_window=True on {model_type} (per-layer windows) is not supported"

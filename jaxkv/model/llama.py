@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv.errors import UnsupportedModelError
 from jaxkv.model.config import ModelConfig
+from jaxkv.model.moe import moe_mlp
 from jaxkv.model.quant import (
     QuantScheme,
     embed_lookup,
@@ -71,14 +73,22 @@ class DecoderLayers(nnx.Module):
         hd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         init = nnx.initializers.normal(0.02)
         shapes = {"attn_norm": (e,), "wq": (e, hd), "wk": (e, kd), "wv": (e, kd),
-                  "wo": (hd, e), "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f),
-                  "w_down": (f, e)}
+                  "wo": (hd, e), "mlp_norm": (e,)}
         if c.attention_bias:
             shapes.update(bq=(hd,), bk=(kd,), bv=(kd,))
         if c.qk_norm:
             shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
         if c.sandwich_norm:
             shapes.update(post_attn_norm=(e,), post_mlp_norm=(e,))
+        dense = {"w_gate": (e, f), "w_up": (e, f), "w_down": (f, e)}
+        x, fm = c.num_experts, c.moe_intermediate_size
+        moe = {"router": (e, x), "experts_gate": (x, e, fm), "experts_up": (x, e, fm),
+               "experts_down": (x, fm, e)}
+        per_layer = [{**shapes, **(moe if c.is_moe(i) else dense)} for i in range(c.num_layers)]
+        if scan and any(layer.keys() != per_layer[0].keys() for layer in per_layer):
+            raise ValueError(f"scan_layers=True stacks identical layers; this model mixes dense "
+                             f"and MoE MLPs (dense_layers={c.dense_layers}): use "
+                             "scan_layers=False")
 
         def make(name, shape):
             if quantization is not None and name in LINEAR:  # filled by loading / quantize
@@ -89,22 +99,25 @@ class DecoderLayers(nnx.Module):
                 return nnx.Param(jnp.zeros(shape, param_dtype))
             return nnx.Param(init(rngs.params(), shape, param_dtype))
 
-        self.names = tuple(shapes)
-        for name, shape in shapes.items():
+        self.names = tuple(dict.fromkeys(n for layer in per_layer for n in layer))
+        for name in self.names:
             if scan:
-                setattr(self, name, make(name, (c.num_layers, *shape)))
-            else:
-                setattr(self, name, nnx.List([make(name, shape) for _ in range(c.num_layers)]))
+                setattr(self, name, make(name, (c.num_layers, *per_layer[0][name])))
+            else:  # None where a layer lacks the param (a dense layer's experts)
+                setattr(self, name, nnx.List([make(name, layer[name]) if name in layer else None
+                                              for layer in per_layer]))
 
     def param(self, name: str, layer: int):
-        """The Param holding `name` of one layer (for loading and saving)."""
+        """The Param holding `name` of one layer (for loading and saving); None if that layer
+        has no such param."""
         return getattr(self, name) if self.scan else getattr(self, name)[layer]
 
     def stacked(self) -> dict:
         return {name: getattr(self, name).get_value() for name in self.names}
 
     def layer(self, i: int) -> dict:
-        return {name: getattr(self, name)[i].get_value() for name in self.names}
+        return {name: getattr(self, name)[i].get_value() for name in self.names
+                if getattr(self, name)[i] is not None}
 
 
 class Llama(nnx.Module):
@@ -121,8 +134,12 @@ class Llama(nnx.Module):
                  scan_layers: bool | None = None, rngs: nnx.Rngs,
                  quantization: QuantScheme | None = None, integer_dot: bool | None = None,
                  table_rows: bool | None = None):
-        if scan_layers is None:
-            scan_layers = jax.default_backend() != "cpu"
+        if scan_layers is None:  # a MoE model with dense layers cannot stack its layers
+            scan_layers = jax.default_backend() != "cpu" and not config.dense_layers
+        if quantization is not None and config.num_experts:
+            raise UnsupportedModelError("quantization of mixture-of-experts models is not "
+                                        "supported yet (num_experts="
+                                        f"{config.num_experts}); load it with quantization=None")
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
@@ -190,7 +207,13 @@ class Llama(nnx.Module):
                 h = rms_norm(h, p["post_attn_norm"], c.rms_norm_eps, gemma)
             x = x + h
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps, gemma)
-            h = mm(gated_activation(mm(h, "w_gate"), c.hidden_act) * mm(h, "w_up"), "w_down")
+            if "router" in p:  # a mixture of experts
+                h = moe_mlp(h, p, k=c.num_experts_per_tok, normalize=c.norm_topk_prob,
+                            activation=lambda a: gated_activation(a, c.hidden_act),
+                            platform=self.kernel_platform or jax.default_backend())
+            else:
+                h = mm(gated_activation(mm(h, "w_gate"), c.hidden_act) * mm(h, "w_up"),
+                       "w_down")
             if c.sandwich_norm:
                 h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps, gemma)
             return (x + h, carry), None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +55,25 @@ _SANDWICH_TENSORS = {
     "mlp_norm": ("pre_feedforward_layernorm.weight", False),
     "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
 }
+# Mixture-of-experts layers: the router, and expert {j}'s MLP (stacked on jaxkv's X axis).
+_MOE_TENSORS = {
+    "mixtral": {"router": ("block_sparse_moe.gate.weight", True),
+                "experts_gate": ("block_sparse_moe.experts.{j}.w1.weight", True),
+                "experts_up": ("block_sparse_moe.experts.{j}.w3.weight", True),
+                "experts_down": ("block_sparse_moe.experts.{j}.w2.weight", True)},
+    "qwen3_moe": {"router": ("mlp.gate.weight", True),
+                  "experts_gate": ("mlp.experts.{j}.gate_proj.weight", True),
+                  "experts_up": ("mlp.experts.{j}.up_proj.weight", True),
+                  "experts_down": ("mlp.experts.{j}.down_proj.weight", True)},
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def layer_tensors(config: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """jaxkv layer param -> (HF name inside ``model.layers.{i}.``, transposed?)."""
-    return {**_LAYER_TENSORS, **_SANDWICH_TENSORS} if config.sandwich_norm else _LAYER_TENSORS
+    """jaxkv layer param -> (HF name inside ``model.layers.{i}.``, transposed?); an expert's
+    name holds ``{j}`` for its index."""
+    out = {**_LAYER_TENSORS, **_SANDWICH_TENSORS} if config.sandwich_norm else _LAYER_TENSORS
+    return {**out, **_MOE_TENSORS[config.model_type]} if config.num_experts else out
 
 
 def tensor_files(folder: Path) -> list[Path]:
@@ -102,21 +116,40 @@ def host_value(name: str, array: np.ndarray, quantization: QuantScheme | None,
     return array
 
 
-def _expected(model: Llama) -> dict[str, tuple[str, int | None, bool, tuple[int, ...]]]:
-    """HF tensor name -> (jaxkv param, layer or None, transpose, HF shape)."""
+class Slot(NamedTuple):
+    """Where one HF tensor goes: a jaxkv param, its layer (None: not a layer param), whether
+    HF's layout is the transpose, HF's shape, and the expert (None: not an expert's)."""
+
+    name: str
+    layer: int | None
+    transpose: bool
+    shape: tuple[int, ...]
+    expert: int | None = None
+
+
+def _expected(model: Llama) -> dict[str, Slot]:
+    """HF tensor name -> its `Slot`."""
     out = {}
     c = model.config
-    out["model.embed_tokens.weight"] = ("embed", None, False, (c.vocab_size, c.hidden_size))
-    out["model.norm.weight"] = ("final_norm", None, False, (c.hidden_size,))
+    out["model.embed_tokens.weight"] = Slot("embed", None, False, (c.vocab_size, c.hidden_size))
+    out["model.norm.weight"] = Slot("final_norm", None, False, (c.hidden_size,))
     if not c.tie_word_embeddings:
-        out["lm_head.weight"] = ("lm_head", None, True, (c.vocab_size, c.hidden_size))
+        out["lm_head.weight"] = Slot("lm_head", None, True, (c.vocab_size, c.hidden_size))
     for name, (hf, transpose) in layer_tensors(c).items():
         if name not in model.layers.names:
             continue
-        shape = tuple(model.layers.param(name, 0).shape[1 if model.layers.scan else 0:])
-        shape = shape[::-1] if transpose else shape
         for i in range(c.num_layers):
-            out[f"model.layers.{i}.{hf}"] = (name, i, transpose, shape)
+            param = model.layers.param(name, i)
+            if param is None:  # e.g. the experts of a dense layer
+                continue
+            shape = tuple(param.shape[1 if model.layers.scan else 0:])
+            if "{j}" not in hf:
+                out[f"model.layers.{i}.{hf}"] = Slot(name, i, transpose,
+                                                     shape[::-1] if transpose else shape)
+                continue
+            one = shape[1:][::-1] if transpose else shape[1:]
+            for j in range(shape[0]):
+                out[f"model.layers.{i}.{hf.format(j=j)}"] = Slot(name, i, transpose, one, j)
     return out
 
 
@@ -164,6 +197,7 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
     # Each tensor is placed as it is read (the host copy dropped at once), except the layers of
     # a stacked layout, which wait on the host to be stacked.
     loaded: dict[tuple[str, int | None], np.ndarray] = {}
+    experts: dict[tuple[str, int], dict[int, np.ndarray]] = {}
     seen, unexpected, bad_shapes, bad_keys = set(), [], [], set()
     for key, load in items:
         if key.endswith(_IGNORED_SUFFIXES):
@@ -173,7 +207,7 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
                 continue  # some tied checkpoints store the shared matrix twice
             unexpected.append(key)
             continue
-        name, layer, transpose, shape = expected[key]
+        name, layer, transpose, shape, expert = expected[key]
         tensor = load()
         got = tuple(tensor.shape)  # a quantized tensor comes in jaxkv's [in, out] layout
         # (the embedding's too: [E, V], the tied LM head's)
@@ -183,6 +217,12 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
             bad_keys.add(key)
             continue
         seen.add(key)
+        if expert is not None:  # stacked with the layer's other experts once all are read
+            experts.setdefault((name, layer), {})[expert] = tensor.T if transpose else tensor
+            if len(experts[name, layer]) < config.num_experts:
+                continue
+            parts = experts.pop((name, layer))
+            tensor, transpose = np.stack([parts[j] for j in range(len(parts))]), False
         value = tensor if is_quantized(tensor) else host_value(
             name, tensor.T if transpose else tensor, quantization, rows)
         if rows and name == "embed" and isinstance(value, QuantizedWeight):
@@ -223,11 +263,13 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
 def hf_tensors(model: Llama):
     """(HF name, loader) for every tensor of ``model`` in the Hugging Face layout (host numpy,
     quantized weights dequantized to float32), one tensor at a time."""
-    def load(name, layer, transpose):
+    def load(name, layer, transpose, expert):
         var = getattr(model, name) if layer is None else model.layers.param(name, layer)
         value = var.get_value()
         if layer is not None and model.layers.scan:
             value = jax.tree.map(lambda x: x[layer], value)
+        if expert is not None:
+            value = value[expert]
         if is_quantized(value):  # [in, out]; a quantized embedding is [E, V] too, or a table
             array = dequantize_host(value)
             columns = name == "embed" and isinstance(value, QuantizedWeight)
@@ -235,9 +277,8 @@ def hf_tensors(model: Llama):
         array = np.asarray(jax.device_get(value))
         return array.T if transpose else array
 
-    for key, (name, layer, transpose, _) in _expected(model).items():
-        yield key, lambda name=name, layer=layer, transpose=transpose: load(name, layer,
-                                                                             transpose)
+    for key, slot in _expected(model).items():
+        yield key, lambda s=slot: load(s.name, s.layer, s.transpose, s.expert)
 
 
 def save_params(model: Llama, folder: str | Path, *, dtype=None) -> None:

@@ -1,10 +1,12 @@
-"""Gemma 2/3 through the serving engine, against transformers on the same random weights.
+"""Gemma 2/3 and Qwen3-MoE through the serving engine, against transformers on the same random
+weights.
 
 tests/test_hf_oracle.py checks every position's logits, paged prefill and `jaxkv.generate`
-for Gemma 1/2/3; here the engine runs a model with local (sliding-window) and global layers
-the way serving does: prompts longer than the window, chunked prefill, the prefix cache handing
-a second request pages the first one wrote, preemption recomputing a request's KV, the
-multi-step decode loop, and int8 pages; then bf16 against transformers' bf16.
+for every family; here the engine runs models with local (sliding-window) and global layers,
+and a mixture of experts with a dense layer between MoE ones, the way serving does: prompts
+longer than the window, chunked prefill, the prefix cache handing a second request pages the
+first one wrote, preemption recomputing a request's KV, the multi-step decode loop, and int8
+pages; then bf16 against transformers' bf16, and a saved checkpoint read back by transformers.
 """
 
 import numpy as np
@@ -29,7 +31,7 @@ SHAPE = dict(page_size=8, num_pages=28, max_num_seqs=4, max_num_batched_tokens=3
              max_model_len=128, max_decode_steps=4, warmup=False)
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "qwen3_moe"])
 def spec(request):
     return request.param
 
@@ -59,8 +61,13 @@ def _serve(model, prompts, **kw):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_engine_greedy_equals_transformers_with_prefix_hits_and_preemption(pair, want, scan):
+def test_engine_greedy_equals_transformers_with_prefix_hits_and_preemption(spec, pair, want,
+                                                                          scan):
     _, folder = pair
+    if spec == "qwen3_moe" and scan:  # a dense layer among MoE ones: the layers differ
+        with pytest.raises(ValueError, match=r"dense_layers=\(1,\)"):
+            jaxkv.load_pretrained(folder, scan_layers=True)
+        return
     model = jaxkv.load_pretrained(folder, scan_layers=scan)
     engine, got = _serve(model, PROMPTS)
     assert got == want[1:]
@@ -84,19 +91,22 @@ def test_int8_pages_track_transformers(pair, want):
                 break
 
 
-# bf16: both sides hold the same bf16 weights and round differently along the way. Observed
-# max |logit difference| 0.053-0.056 on logits up to ~3, where transformers' own bf16 run is
-# 0.046-0.048 from its fp32 run: the tolerance is about twice that.
-BF16_ATOL = 0.1
-
-
-def test_bf16_logits_match_transformers_bf16(spec, tmp_path):
+def test_bf16_logits_as_close_to_exact_as_transformers_bf16(spec, tmp_path):
+    # Both hold the same bf16 weights; the exact answer is transformers in fp32 on them. jaxkv's
+    # bf16 logits must be as close to it as transformers' own bf16 run, within a factor 1.5, in
+    # mean and worst case. Observed (mean / max, jaxkv vs transformers): Gemma 2 0.005/0.031
+    # vs 0.005/0.041, Gemma 3 0.006/0.045 vs 0.006/0.043, Qwen3-MoE 0.023/0.53 vs 0.075/1.55
+    # (a router's near-tie sends a token to another expert in a bf16 run).
     hf = build_hf_model(spec).to(torch.bfloat16)
     model = jaxkv.load_pretrained(save_hf_model(hf, tmp_path / "bf16"), dtype="bfloat16")
     ids = PROMPTS[1]
     with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].float().numpy()
-    np.testing.assert_allclose(dense_logits(model, ids), want, atol=BF16_ATOL, rtol=0)
+        theirs = hf(torch.tensor([ids])).logits[0].float().numpy()
+        exact = hf.float()(torch.tensor([ids])).logits[0].numpy()
+    ours = np.abs(dense_logits(model, ids) - exact)
+    reference = np.abs(theirs - exact)
+    assert ours.mean() <= 1.5 * reference.mean(), (ours.mean(), reference.mean())
+    assert ours.max() <= 1.5 * reference.max(), (ours.max(), reference.max())
 
 
 def test_saved_checkpoint_loads_in_transformers(pair, tmp_path):
@@ -105,7 +115,8 @@ def test_saved_checkpoint_loads_in_transformers(pair, tmp_path):
     hf, folder = pair
     save_params(jaxkv.load_pretrained(folder).module(), tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    assert again.config.layer_types == hf.config.layer_types
+    for field in ("layer_types", "mlp_only_layers"):
+        assert getattr(again.config, field, None) == getattr(hf.config, field, None), field
     ids = PROMPTS[0]
     np.testing.assert_allclose(hf_logits(again.eval(), ids), hf_logits(hf, ids), atol=1e-5,
                                rtol=0)

@@ -1,0 +1,90 @@
+"""Mixture-of-experts MLP: top-k routing with Hugging Face's semantics, and a grouped matmul
+over tokens sorted by expert, so each token computes only its own k experts.
+
+Axes: T tokens, E hidden, X experts, k experts per token, F expert MLP width, M = T * k routed
+rows.
+
+Routing (Mixtral, Qwen3-MoE): router logits in the compute dtype, softmax in float32 over all
+experts, the top k, renormalized to sum to 1 when ``norm_topk_prob`` (Mixtral always: the same
+as a softmax over the top-k logits). The M rows are sorted by expert; each expert multiplies its
+contiguous run of rows (`grouped_matmul`), and the weighted rows are added back to their tokens.
+
+`grouped_matmul` is `jax.lax.ragged_dot` on GPU and TPU (a grouped kernel there). XLA:CPU
+lowers ragged_dot densely (every row times every expert: X times the work), so on CPU it runs
+a loop over row tiles, each tile inside one expert's run: the work is the routed rows plus at
+most one partial tile per expert, and each tile reads one expert's weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(x, router, k: int, normalize: bool):
+    """(weights f32[T, k], experts i32[T, k]) of tokens x[T, E] under ``router`` [E, X]."""
+    probs = jax.nn.softmax(jnp.dot(x, router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def _tile_rows(m: int, groups: int) -> int:
+    """Rows per tile: the mean rows per expert, as a power of two in [8, 128]."""
+    mean = max(1, m // groups)
+    return min(128, max(8, 1 << (mean - 1).bit_length()))
+
+
+def grouped_matmul_tiles(rows, w, group_sizes):
+    """[M, N] = each run of ``rows`` [M, K] times its expert's ``w`` [X, K, N], the runs'
+    lengths in ``group_sizes`` i32[X] (summing to M): a loop over tiles of rows, each inside
+    one run (the CPU path; see the module docstring)."""
+    m, kdim = rows.shape
+    groups, _, n = w.shape
+    tile = _tile_rows(m, groups)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    tiles = (group_sizes + tile - 1) // tile  # per expert
+    tile_ends = jnp.cumsum(tiles)
+    padded = jnp.concatenate([rows, jnp.zeros((tile, kdim), rows.dtype)])
+
+    def body(t, out):
+        g = jnp.searchsorted(tile_ends, t, side="right")
+        row0 = starts[g] + (t - (tile_ends[g] - tiles[g])) * tile
+        y = jnp.dot(jax.lax.dynamic_slice(padded, (row0, 0), (tile, kdim)), w[g],
+                    preferred_element_type=jnp.float32).astype(out.dtype)
+        keep = (row0 + jnp.arange(tile) < ends[g])[:, None]  # rows past the run: the next's
+        old = jax.lax.dynamic_slice(out, (row0, 0), (tile, n))
+        return jax.lax.dynamic_update_slice(out, jnp.where(keep, y, old), (row0, 0))
+
+    out = jax.lax.fori_loop(0, tile_ends[-1], body, jnp.zeros((m + tile, n), rows.dtype))
+    return out[:m]
+
+
+def grouped_matmul(rows, w, group_sizes, *, platform: str):
+    """`grouped_matmul_tiles` on CPU, `jax.lax.ragged_dot` elsewhere."""
+    if platform == "cpu":
+        return grouped_matmul_tiles(rows, w, group_sizes)
+    return jax.lax.ragged_dot(rows, w, group_sizes,
+                              preferred_element_type=jnp.float32).astype(rows.dtype)
+
+
+def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str):
+    """The MoE MLP of tokens x[T, E] with params ``p`` (router [E, X], experts_gate and
+    experts_up [X, E, F], experts_down [X, F, E]) -> [T, E]."""
+    t = x.shape[0]
+    num_experts = p["router"].shape[-1]
+    weights, experts = route(x, p["router"], k, normalize)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # rows sorted by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    rows = x[token]
+
+    def mm(a, name):
+        return grouped_matmul(a, p[name].astype(x.dtype), sizes, platform=platform)
+
+    h = mm(activation(mm(rows, "experts_gate")) * mm(rows, "experts_up"), "experts_down")
+    h = (h.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
+    return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(h)
