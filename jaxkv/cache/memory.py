@@ -95,8 +95,9 @@ class ModelShape:
 
 
 def _preset(name, L, E, F, H, K, D, V, tied=False, bias=False, qk_norm=False,
-            sandwich=False) -> ModelShape:
-    return ModelShape(name, L, E, F, H, K, D, V, tied, bias, qk_norm, sandwich)
+            sandwich=False, experts=0, expert_width=0) -> ModelShape:
+    return ModelShape(name, L, E, F, H, K, D, V, tied, bias, qk_norm, sandwich, experts,
+                      expert_width)
 
 
 # Values copied from the published config.json files.
@@ -115,6 +116,9 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
             sandwich=True),
     _preset("gemma-3-4b", 34, 2560, 10240, 8, 4, 256, 262208, tied=True, qk_norm=True,
             sandwich=True),
+    _preset("mixtral-8x7b", 32, 4096, 14336, 32, 8, 128, 32000, experts=8, expert_width=14336),
+    _preset("qwen3-30b-a3b", 48, 2048, 6144, 32, 4, 128, 151936, qk_norm=True, experts=128,
+            expert_width=768),
 ]}
 
 

@@ -55,6 +55,15 @@ def gated_activation(x, kind: str):
     return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
 
 
+def default_scan_layers(config: ModelConfig, platform: str) -> bool:
+    """Whether layers are stacked and scanned by default: on GPU and TPU (compile time flat in
+    depth), except for mixtures of experts. XLA copies a scanned layer's slice of the stacked
+    expert weights before each grouped matmul (ragged_dot cannot read a slice in place: 768 MiB
+    per Qwen3-30B-A3B layer on v6e, tests/aot), so MoE layers stay unrolled and are read where
+    they are. On CPU layers are unrolled (see `DecoderLayers`)."""
+    return platform != "cpu" and not config.num_experts
+
+
 class DecoderLayers(nnx.Module):
     """All L decoder layers' weights, by name.
 
@@ -134,8 +143,8 @@ class Llama(nnx.Module):
                  scan_layers: bool | None = None, rngs: nnx.Rngs,
                  quantization: QuantScheme | None = None, integer_dot: bool | None = None,
                  table_rows: bool | None = None):
-        if scan_layers is None:  # a MoE model with dense layers cannot stack its layers
-            scan_layers = jax.default_backend() != "cpu" and not config.dense_layers
+        if scan_layers is None:
+            scan_layers = default_scan_layers(config, jax.default_backend())
         if quantization is not None and config.num_experts:
             raise UnsupportedModelError("quantization of mixture-of-experts models is not "
                                         "supported yet (num_experts="

@@ -9,10 +9,12 @@ experts, the top k, renormalized to sum to 1 when ``norm_topk_prob`` (Mixtral al
 as a softmax over the top-k logits). The M rows are sorted by expert; each expert multiplies its
 contiguous run of rows (`grouped_matmul`), and the weighted rows are added back to their tokens.
 
-`grouped_matmul` is `jax.lax.ragged_dot` on GPU and TPU (a grouped kernel there). XLA:CPU
-lowers ragged_dot densely (every row times every expert: X times the work), so on CPU it runs
-a loop over row tiles, each tile inside one expert's run: the work is the routed rows plus at
-most one partial tile per expert, and each tile reads one expert's weights.
+`grouped_matmul` is `jax.lax.ragged_dot` on TPU, which XLA:TPU compiles to a grouped kernel.
+XLA:CPU lowers ragged_dot densely (every row times every expert: X times the work), and so
+does XLA:GPU by default (its ragged-dot rewriter pads to a dense batched dot; cuDNN's grouped
+GEMM is behind an experimental flag), so there it runs `grouped_matmul_tiles`: a loop over row
+tiles, each inside one expert's run. The work is the routed rows plus at most one partial tile
+per expert, and each tile reads one expert's weights.
 """
 
 from __future__ import annotations
@@ -63,11 +65,11 @@ def grouped_matmul_tiles(rows, w, group_sizes):
 
 
 def grouped_matmul(rows, w, group_sizes, *, platform: str):
-    """`grouped_matmul_tiles` on CPU, `jax.lax.ragged_dot` elsewhere."""
-    if platform == "cpu":
-        return grouped_matmul_tiles(rows, w, group_sizes)
-    return jax.lax.ragged_dot(rows, w, group_sizes,
-                              preferred_element_type=jnp.float32).astype(rows.dtype)
+    """`jax.lax.ragged_dot` on TPU, `grouped_matmul_tiles` elsewhere."""
+    if platform == "tpu":
+        return jax.lax.ragged_dot(rows, w, group_sizes,
+                                  preferred_element_type=jnp.float32).astype(rows.dtype)
+    return grouped_matmul_tiles(rows, w, group_sizes)
 
 
 def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str):

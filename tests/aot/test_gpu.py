@@ -72,6 +72,30 @@ def test_engine_step_kernels_fit_sm90(case, table):
         assert not r.problems()
 
 
+MOE_STEPS = [
+    aot_steps.StepCase("qwen3-30b-a3b:12", "prefill", 1.0, 512, 16, 8192),
+    aot_steps.StepCase("mixtral-8x7b:4", "decode", 1.0, 64, 64, 8192),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(s, id=s.name.replace(" ", "-"))
+                                  for s in MOE_STEPS])
+def test_moe_step_is_grouped_on_sm90(case, table):
+    """A MoE step lowered for CUDA: the attention kernel (one distinct kernel for the unrolled
+    layers) through ptxas, and no ragged_dot, which XLA:GPU would pad into a dense dot over
+    every expert (the experts run `grouped_matmul_tiles`: jaxkv.model.moe)."""
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-gpu")
+    reports = [aot_gpu.compile_call(c) for c in aot_gpu.triton_calls(step, params, state, *inputs)]
+    assert [r.name for r in reports] == ["ragged_paged_attention_gpu"]
+    text = jax.jit(step).trace(params, state, *inputs).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "ragged_dot" not in text
+    for r in reports:
+        table("Triton kernels of the engine steps, sm_90 (attention_impl='pallas-gpu')",
+              ["step"] + COLUMNS, [case.name] + _row(r.name, case.dtype, r))
+        assert not r.problems()
+
+
 QUANT_STEPS = [
     aot_steps.StepCase("llama-3.2-1b", "decode", 1.0, 64, 64, 4096, quantization="int4-g128"),
     aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096, quantization="int4-g32"),

@@ -193,6 +193,54 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
         assert all(c.nbytes < 0.1 * scales for c in i32_copies), i32_copies
 
 
+# Mixtures of experts: a grouped matmul (ragged_dot) over the tokens sorted by expert, the
+# layers unrolled (`default_scan_layers`). Neither model fits one chip whole (61 and 93 GB of
+# bf16 weights): "name:N" compiles the same program for its first N layers.
+MOE_STEPS = [
+    ("v6e", aot_steps.StepCase("qwen3-30b-a3b:12", "prefill", 1.0, 512, 16, 8192)),
+    ("v6e", aot_steps.StepCase("mixtral-8x7b:4", "decode", 1.0, 64, 64, 8192)),
+]
+
+
+def _expert_slice_bytes(case) -> int:
+    c = aot_steps.config_of(case.model)
+    return c.num_experts * c.hidden_size * c.moe_intermediate_size * 2  # one bf16 [X, E, F]
+
+
+@pytest.mark.parametrize("chip, case", [pytest.param(c, s, id=f"{c}-{s.name}".replace(" ", "-"))
+                                        for c, s in MOE_STEPS])
+def test_moe_step_reads_expert_weights_in_place(chip, case, table):
+    """A MoE step: the pool updated in place, and no temporary the size of one layer's expert
+    weights (ragged_dot reads each unrolled layer's experts where they are)."""
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
+    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
+    pool = aot_steps.pool_bytes(state)
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
+           f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
+           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    sampler = 12 * case.rows * aot_steps.config_of(case.model).vocab_size * 4
+    assert r.alias_bytes >= pool
+    assert r.temp_bytes < 0.1 * pool + sampler
+    assert r.temp_bytes < _expert_slice_bytes(case)
+
+
+def test_scanned_moe_layers_copy_their_experts(table):
+    """Why MoE layers are unrolled (a known limit, `default_scan_layers`): scanned, XLA:TPU
+    copies each layer's slice of the stacked expert weights before ragged_dot, a temporary the
+    size of the layer's gate and up experts. This test fails once the scan stops copying: then
+    scan MoE layers too."""
+    case = aot_steps.StepCase("qwen3-30b-a3b:4", "decode", 1.0, 64, 64, 8192, scan=True)
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
+    r = aot_tpu.compile_for("v6e", step, *aot_tpu.on_chip("v6e", (params, state, *inputs)))
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          ["v6e", case.name + f" W={case.max_model_len // case.page_size}",
+           aot_steps.pool_bytes(state) // MiB, f"{r.temp_bytes / MiB:.1f}",
+           f"{r.temp_bytes / aot_steps.pool_bytes(state):.4f}",
+           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    assert r.temp_bytes >= 2 * _expert_slice_bytes(case)
+
+
 QUANT_STEPS = [
     # Weights kept quantized: each linear of the layer scan through the Mosaic weight-only
     # kernel (the 8B's untied head too); a tied LM head contracts against the embedding kept

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxkv.cache.memory import PRESETS
 from jaxkv.kv import init_state, kv_bytes_per_token
 from jaxkv.model.config import ModelConfig, RopeScaling
-from jaxkv.model.llama import Llama
+from jaxkv.model.llama import Llama, default_scan_layers
 from jaxkv.model.quant import QuantScheme
 from jaxkv.runtime.batch import PageTable, padding_batch
 from jaxkv.runtime.sampling import SamplingArrays
@@ -40,12 +40,14 @@ class StepCase:
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": quantized pages with scales
     quantization: str | None = None  # weights kept quantized ("int8", "int4-g128", ...)
+    scan: bool | None = None  # layers stacked and scanned (None: the GPU/TPU default)
 
     @property
     def name(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
         w = "" if self.quantization is None else f" w={self.quantization}"
-        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}{w}"
+        scan = "" if self.scan is None else (" scanned" if self.scan else " unrolled")
+        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}{w}{scan}"
 
 
 def _gemma(version: int, layers: int, window: int, **options) -> dict:
@@ -64,20 +66,34 @@ ARCHITECTURES = {
     "gemma-3-1b": _gemma(3, 26, 512, rope_theta=1_000_000.0, local_rope_theta=10_000.0),
     "gemma-3-4b": _gemma(3, 34, 1024, rope_theta=1_000_000.0, local_rope_theta=10_000.0,
                          rope_scaling=RopeScaling(rope_type="linear", factor=8.0)),
+    "mixtral-8x7b": dict(model_type="mixtral", num_experts_per_tok=2),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", num_experts_per_tok=8),
 }
 
 
 def config_of(preset: str) -> ModelConfig:
     """A ModelConfig with the shape of a memory-planning preset (e.g. "llama-3.2-1b"), and
-    for Gemma presets their architecture options."""
+    for Gemma and MoE presets their architecture options. "name:N" keeps the first N layers
+    (a model too large for one chip, compiled as the same program with a shorter scan)."""
+    preset, _, layers = preset.partition(":")
     s = PRESETS[preset]
     return ModelConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size,
-                       intermediate_size=s.intermediate_size, num_layers=s.num_layers,
+                       intermediate_size=s.intermediate_size,
+                       num_layers=int(layers) if layers else s.num_layers,
                        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                        tie_word_embeddings=s.tie_word_embeddings,
                        attention_bias=s.attention_bias, qk_norm=s.qk_norm,
-                       sandwich_norm=s.sandwich_norm, max_position_embeddings=131_072,
-                       **ARCHITECTURES.get(preset, {}))
+                       sandwich_norm=s.sandwich_norm, num_experts=s.num_experts,
+                       moe_intermediate_size=s.moe_intermediate_size,
+                       max_position_embeddings=131_072,
+                       **_trim(ARCHITECTURES.get(preset, {}), int(layers or s.num_layers)))
+
+
+def _trim(options: dict, layers: int) -> dict:
+    """Architecture options for the first ``layers`` layers."""
+    if "layer_types" in options:
+        return {**options, "layer_types": options["layer_types"][:layers]}
+    return options
 
 
 def attention_kernels(preset: str) -> int:
@@ -87,14 +103,16 @@ def attention_kernels(preset: str) -> int:
 
 @functools.cache
 def abstract_model(preset: str, dtype: str, quantization: str | None = None,
-                   table_rows: bool = False):
-    """(graphdef, abstract params) of a scanned-layer Llama with ``preset``'s shape, its
-    weights quantized as ``quantization`` names (None: float; ``table_rows``: a quantized
-    embedding kept row by row, as on TPU)."""
+                   table_rows: bool = False, scan: bool | None = None):
+    """(graphdef, abstract params) of a Llama with ``preset``'s shape, its layers scanned as
+    on GPU/TPU by default (``scan``), its weights quantized as ``quantization`` names (None:
+    float; ``table_rows``: a quantized embedding kept row by row, as on TPU)."""
     dt = jnp.dtype(dtype)
     scheme = QuantScheme.parse(quantization)
-    module = nnx.eval_shape(lambda: Llama(config_of(preset), dtype=dt, param_dtype=dt,
-                                          scan_layers=True, rngs=nnx.Rngs(0),
+    config = config_of(preset)
+    scan = default_scan_layers(config, "tpu") if scan is None else scan
+    module = nnx.eval_shape(lambda: Llama(config, dtype=dt, param_dtype=dt,
+                                          scan_layers=scan, rngs=nnx.Rngs(0),
                                           quantization=scheme, table_rows=table_rows))
     graphdef, params = nnx.split(module)
     return graphdef, params
@@ -110,7 +128,7 @@ def _abstract_state(case: StepCase, impl: str | None = None):
     """(graphdef, abstract params, abstract KV state, pages, page-table width) of a case (the
     params in ``impl``'s platform's layout)."""
     graphdef, params = abstract_model(case.model, case.dtype, case.quantization,
-                                      impl == "pallas-tpu")
+                                      impl == "pallas-tpu", case.scan)
     config = config_of(case.model)
     pages = num_pages(case)
     state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
