@@ -120,12 +120,18 @@ class ParallelConfig:
     """Devices one engine's model and KV pages are split over, by head."""
     data_parallel_size: int = 1
     """Engine replicas behind one front (each request routed by cached prefix, else load)."""
+    enable_expert_parallel: bool = False
+    """A mixture of experts split by expert over the tensor-parallel devices (each holds
+    num_experts / tensor_parallel_size whole experts) instead of every expert by width."""
 
     def __post_init__(self):
         for field in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got "
+                             f"{self.enable_expert_parallel!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ TP = "tp"
 _COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "experts_gate", "experts_up")  # [.., E, out]
 _ROW = ("wo", "w_down", "experts_down")  # [.., in, E]: split the input
 _BIAS = ("bq", "bk", "bv")
+_EXPERTS = ("experts_gate", "experts_up", "experts_down")
 
 
 def make_mesh(tp: int, devices: Sequence | None = None) -> Mesh:
@@ -58,11 +59,15 @@ def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[TP]
 
 
-def check_divisible(config: ModelConfig, tp: int) -> None:
+def check_divisible(config: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """Raises ValueError naming the dimension that does not split over ``tp`` devices."""
+    if expert_parallel and not config.num_experts:
+        raise ValueError("enable_expert_parallel needs a mixture-of-experts model "
+                         f"(model_type {config.model_type!r} has no experts)")
+    experts = ("num_experts", config.num_experts) if expert_parallel else \
+        ("moe_intermediate_size", config.moe_intermediate_size)
     for name, value in (("num_heads", config.num_heads),
-                        ("intermediate_size", config.intermediate_size),
-                        ("moe_intermediate_size", config.moe_intermediate_size),
+                        ("intermediate_size", config.intermediate_size), experts,
                         ("vocab_size", config.vocab_size)):
         if value % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
@@ -105,12 +110,15 @@ def _expand_kv_heads(module: Llama, tp: int) -> Llama:
     return new
 
 
-def param_spec(path, shape: tuple[int, ...], tp: int) -> P:
+def param_spec(path, shape: tuple[int, ...], tp: int, expert_parallel: bool = False) -> P:
     """The split of one params leaf. Quantized weights (`jaxkv.model.quant`) split like the
     float weight they hold: integers and per-group scales along the same axis, except the
     scales of a row-split weight whose groups do not divide over ``tp`` (one per output
-    channel: replicated, as each device's partial sums take the same scale)."""
+    channel: replicated, as each device's partial sums take the same scale).
+    ``expert_parallel``: MoE experts [X, ..] split by expert instead of by width."""
     names, ndim = _names(path), len(shape)
+    if expert_parallel and set(names) & set(_EXPERTS):
+        return P(TP)
     if "embed" in names:  # split over the vocabulary: a float [V, E] table or a
         # `QuantizedTable` ([V, E], [V, 1]) by rows, a quantized [E, V] one by columns
         return P(None, TP) if names[-1] in ("q", "scale", "offset") else P(TP, None)
@@ -129,11 +137,12 @@ def param_spec(path, shape: tuple[int, ...], tp: int) -> P:
     return P()  # norms: replicated
 
 
-def param_shardings(params, mesh: Mesh):
+def param_shardings(params, mesh: Mesh, expert_parallel: bool = False):
     """A NamedSharding for every leaf of a model's params, by parameter name."""
     tp = tp_size(mesh)
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path, tuple(x.shape), tp)), params)
+        lambda path, x: NamedSharding(mesh, param_spec(path, tuple(x.shape), tp,
+                                                       expert_parallel)), params)
 
 
 def kv_sharding(mesh: Mesh, quantized: bool = False) -> PagedKVState:
@@ -143,20 +152,22 @@ def kv_sharding(mesh: Mesh, quantized: bool = False) -> PagedKVState:
                         kv_scales=scales)
 
 
-def shard(model: Model, mesh: Mesh) -> Model:
-    """The model with its params placed on ``mesh`` (tensor parallel over axis "tp").
+def shard(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> Model:
+    """The model with its params placed on ``mesh`` (tensor parallel over axis "tp";
+    ``expert_parallel``: a mixture of experts split by expert over the same axis).
 
     A functional transform: returns a new `Model`; the input is unchanged. If the mesh has
     more devices than the model has kv heads, kv heads are replicated first (see the module
     docstring). Runs on one host or, after `jaxkv.distributed.initialize`, many.
     """
     tp = tp_size(mesh)
-    check_divisible(model.config, tp)
+    check_divisible(model.config, tp, expert_parallel)
     module = model.module()
     if model.config.num_kv_heads < tp:
         module = _expand_kv_heads(module, tp)
+    module.expert_parallel = expert_parallel  # static: in the graphdef the steps compile
     graphdef, params = nnx.split(module)
-    params = jax.device_put(params, param_shardings(params, mesh))
+    params = jax.device_put(params, param_shardings(params, mesh, expert_parallel))
     return Model(module.config, graphdef, params, model.tokenizer, model.path)
 
 

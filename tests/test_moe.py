@@ -66,3 +66,18 @@ def test_tpu_path_equals_the_tiles():
     np.testing.assert_allclose(grouped_matmul(rows, w, sizes, platform="tpu"),
                                grouped_matmul(rows, w, sizes, platform="cpu"), atol=1e-5,
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cpu"])
+def test_a_run_of_groups_from_an_offset(platform):
+    # Expert parallelism: a device holds experts 2..3, whose rows start after experts 0..1's;
+    # every other row of its output is zero.
+    rng = np.random.default_rng(3)
+    sizes = [4, 2, 5, 3]
+    rows = rng.standard_normal((sum(sizes), 8)).astype(np.float32)
+    w = rng.standard_normal((4, 8, 6)).astype(np.float32)
+    got = grouped_matmul(jnp.asarray(rows), jnp.asarray(w[2:]), jnp.asarray(sizes[2:]),
+                         platform=platform, row_offset=jnp.int32(6))
+    want = np.zeros((sum(sizes), 6), np.float32)
+    want[6:11], want[11:] = rows[6:11] @ w[2], rows[11:] @ w[3]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -95,7 +95,8 @@ class ModelRunner:
                  max_model_len: int, mesh=None):
         cache, sched = config.cache, config.scheduler
         if mesh is not None:  # tensor parallel: weights and KV pages split by head
-            model = shard(model, mesh)
+            model = shard(model, mesh,
+                          expert_parallel=config.parallel.enable_expert_parallel)
         else:  # committed, as update_params places new weights: the same programs run them
             model = dataclasses.replace(model, params=commit(model.params))
         impl, page_size = config.runtime.attention_impl, cache.page_size

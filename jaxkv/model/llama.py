@@ -155,6 +155,7 @@ class Llama(nnx.Module):
         self.integer_dot = True if integer_dot is None else integer_dot
         self.kernel_platform: str | None = None  # None: jax.default_backend()
         self.mesh = None  # a tensor-parallel Mesh: quantized kernels run per shard
+        self.expert_parallel = False  # with a mesh: experts split by expert, not by width
         init = nnx.initializers.normal(0.02)
         v, e = config.vocab_size, config.hidden_size
         quant_embed = quantization is not None and quantization.embedding
@@ -219,7 +220,8 @@ class Llama(nnx.Module):
             if "router" in p:  # a mixture of experts
                 h = moe_mlp(h, p, k=c.num_experts_per_tok, normalize=c.norm_topk_prob,
                             activation=lambda a: gated_activation(a, c.hidden_act),
-                            platform=self.kernel_platform or jax.default_backend())
+                            platform=self.kernel_platform or jax.default_backend(),
+                            mesh=self.mesh, expert_parallel=self.expert_parallel)
             else:
                 h = mm(gated_activation(mm(h, "w_gate"), c.hidden_act) * mm(h, "w_up"),
                        "w_down")

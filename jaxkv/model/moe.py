@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def route(x, router, k: int, normalize: bool):
@@ -38,14 +39,15 @@ def _tile_rows(m: int, groups: int) -> int:
     return min(128, max(8, 1 << (mean - 1).bit_length()))
 
 
-def grouped_matmul_tiles(rows, w, group_sizes):
+def grouped_matmul_tiles(rows, w, group_sizes, row_offset=0):
     """[M, N] = each run of ``rows`` [M, K] times its expert's ``w`` [X, K, N], the runs'
-    lengths in ``group_sizes`` i32[X] (summing to M): a loop over tiles of rows, each inside
-    one run (the CPU path; see the module docstring)."""
+    lengths in ``group_sizes`` i32[X], the first starting at row ``row_offset``; rows outside
+    the runs are zero. A loop over tiles of rows, each inside one run (see the module
+    docstring)."""
     m, kdim = rows.shape
     groups, _, n = w.shape
     tile = _tile_rows(m, groups)
-    ends = jnp.cumsum(group_sizes)
+    ends = row_offset + jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     tiles = (group_sizes + tile - 1) // tile  # per expert
     tile_ends = jnp.cumsum(tiles)
@@ -64,17 +66,33 @@ def grouped_matmul_tiles(rows, w, group_sizes):
     return out[:m]
 
 
-def grouped_matmul(rows, w, group_sizes, *, platform: str):
-    """`jax.lax.ragged_dot` on TPU, `grouped_matmul_tiles` elsewhere."""
-    if platform == "tpu":
-        return jax.lax.ragged_dot(rows, w, group_sizes,
-                                  preferred_element_type=jnp.float32).astype(rows.dtype)
-    return grouped_matmul_tiles(rows, w, group_sizes)
+def grouped_matmul(rows, w, group_sizes, *, platform: str, row_offset=0):
+    """`jax.lax.ragged_dot` on TPU, `grouped_matmul_tiles` elsewhere (arguments as there)."""
+    if platform != "tpu":
+        return grouped_matmul_tiles(rows, w, group_sizes, row_offset)
+    m = rows.shape[0]
+    if isinstance(row_offset, int) and row_offset == 0:
+        local = rows
+    else:  # the runs first, then rows past them (which ragged_dot must not count)
+        local = jax.lax.dynamic_slice(jnp.concatenate([rows, jnp.zeros_like(rows)]),
+                                      (row_offset, 0), rows.shape)
+    out = jax.lax.ragged_dot(local, w, group_sizes, preferred_element_type=jnp.float32)
+    out = jnp.where((jnp.arange(m) < jnp.sum(group_sizes))[:, None], out, 0).astype(rows.dtype)
+    if isinstance(row_offset, int) and row_offset == 0:
+        return out
+    placed = jnp.zeros((2 * m, out.shape[1]), out.dtype)
+    return jax.lax.dynamic_update_slice(placed, out, (row_offset, 0))[:m]
 
 
-def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str):
+def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str, mesh=None,
+            expert_parallel: bool = False):
     """The MoE MLP of tokens x[T, E] with params ``p`` (router [E, X], experts_gate and
-    experts_up [X, E, F], experts_down [X, F, E]) -> [T, E]."""
+    experts_up [X, E, F], experts_down [X, F, E]) -> [T, E].
+
+    With a ``mesh`` (one axis), tokens are routed on every device and each device computes
+    its share of the experts, the shares summed: by width (tensor parallel, every expert's F
+    split) or, with ``expert_parallel``, by expert (each device holds X / n whole experts and
+    computes only the rows routed to them)."""
     t = x.shape[0]
     num_experts = p["router"].shape[-1]
     weights, experts = route(x, p["router"], k, normalize)
@@ -83,10 +101,28 @@ def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str):
     token = order // k
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[token]
+    axis = None if mesh is None else mesh.axis_names[0]
 
-    def mm(a, name):
-        return grouped_matmul(a, p[name].astype(x.dtype), sizes, platform=platform)
+    def mlp(rows, sizes, w_gate, w_up, w_down):
+        offset, local = 0, sizes
+        if expert_parallel:  # this device's experts: a run of groups, and of sorted rows
+            n = w_gate.shape[0]
+            first = jax.lax.axis_index(axis) * n
+            offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, sizes, 0))
+            local = jax.lax.dynamic_slice(sizes, (first,), (n,))
 
-    h = mm(activation(mm(rows, "experts_gate")) * mm(rows, "experts_up"), "experts_down")
+        def mm(a, w):
+            return grouped_matmul(a, w.astype(x.dtype), local, platform=platform,
+                                  row_offset=offset)
+
+        h = mm(activation(mm(rows, w_gate)) * mm(rows, w_up), w_down)
+        return h if axis is None else jax.lax.psum(h, axis)
+
+    if mesh is not None:
+        gate, down = (P(axis), P(axis)) if expert_parallel else (P(None, None, axis),
+                                                                 P(None, axis))
+        mlp = jax.shard_map(mlp, mesh=mesh, in_specs=(P(), P(), gate, gate, down),
+                            out_specs=P(), check_vma=False)
+    h = mlp(rows, sizes, p["experts_gate"], p["experts_up"], p["experts_down"])
     h = (h.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(h)
