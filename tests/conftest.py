@@ -77,5 +77,9 @@ FIRST = ("test_scaleout.py", "test_soak.py")  # the longest files (minutes in su
 
 def pytest_collection_modifyitems(items):
     """The longest files first, so that `make test`'s two workers do not end on one of them
-    while the other idles (stable: every other test keeps its order)."""
+    while the other idles (stable: every other test keeps its order). A test module's SLOW
+    set names parametrized cases that run under `-m slow` only."""
+    for item in items:
+        if item.name in getattr(getattr(item, "module", None), "SLOW", ()):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.path.name not in FIRST)
