@@ -38,6 +38,9 @@ class Model:
 
     @classmethod
     def from_module(cls, module: Llama, tokenizer=None, path=None) -> Model:
+        """Wraps an NNX decoder: jaxkv's `Llama`, or any module following the protocol of
+        docs/MODELS.md#bring-your-own-model (TypeError naming what a module lacks)."""
+        check_protocol(module)
         graphdef, params = nnx.split(module)
         return cls(module.config, graphdef, params, tokenizer, path)
 
@@ -51,7 +54,7 @@ class Model:
     @property
     def quantization(self) -> QuantScheme | None:
         """How the weights are quantized (None: float weights)."""
-        return self.module().quantization
+        return getattr(self.module(), "quantization", None)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -62,6 +65,22 @@ class Model:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def check_protocol(module) -> None:
+    """Raises TypeError naming what ``module`` lacks to be served: a ``config``
+    (`ModelConfig`: the KV shape and attention options), a compute ``dtype``,
+    ``__call__(tokens, positions, attention, carry)`` and ``logits(hidden)``."""
+    name = type(module).__name__
+    if not isinstance(getattr(module, "config", None), ModelConfig):
+        raise TypeError(f"{name}.config must be a jaxkv.ModelConfig (the KV shape: num_layers, "
+                        "num_kv_heads, head_dim; vocab_size; attention options)")
+    if getattr(module, "dtype", None) is None:
+        raise TypeError(f"{name}.dtype must be the compute dtype (the KV pages' dtype)")
+    for method in ("__call__", "logits"):
+        if not callable(getattr(module, method, None)):
+            raise TypeError(f"{name} must define {method}: see "
+                            "docs/MODELS.md#bring-your-own-model")
 
 
 def _dtype(name):
