@@ -26,6 +26,11 @@ _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
               initializer_range=0.1, bos_token_id=1, eos_token_id=2)
 
+PHI3_ROPE = dict(rope_type="longrope", rope_theta=10000.0,
+                 short_factor=[1.0 + 0.1 * i for i in range(8)],
+                 long_factor=[1.0 + 0.5 * i for i in range(8)],
+                 original_max_position_embeddings=256)
+
 # name -> (HF config class, overrides of _SMALL)
 SPECS: dict[str, tuple[type, dict]] = {
     "llama_mha": (transformers.LlamaConfig, dict(num_key_value_heads=4)),
@@ -61,6 +66,12 @@ SPECS: dict[str, tuple[type, dict]] = {
         rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
                                                 rope_theta=1_000_000.0),
                          "sliding_attention": dict(rope_type="default", rope_theta=10_000.0)})),
+    # Phi-3: fused qkv and gate_up projections, a window on every layer, LongRoPE (short
+    # factors and the attention factor of a 2x context extension; `phi3_rope` crosses the
+    # original context to the long factors).
+    "phi3": (transformers.Phi3Config, dict(
+        num_key_value_heads=2, sliding_window=48, pad_token_id=0,
+        original_max_position_embeddings=256, rope_parameters=PHI3_ROPE)),
     # Mixtral: top-2 of 4 experts, renormalized.
     "mixtral": (transformers.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4,
                                                  num_experts_per_tok=2, sliding_window=None)),

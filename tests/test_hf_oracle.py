@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from hf_models import SPECS, build_hf_model, dense_logits, hf_logits, save_hf_model
+from hf_models import PHI3_ROPE, SPECS, build_hf_model, dense_logits, hf_logits, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 import jaxkv
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.model import UnsupportedModelError
 from jaxkv.model.config import ModelConfig
-from jaxkv.model.loading import CheckpointError
+from jaxkv.model.loading import CheckpointError, save_params
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
@@ -50,7 +50,7 @@ LONG = _ids(130, seed=1)  # past the llama3 case's original context (64) and the
 # width in one bucket (9..12 pages of 16), so each model compiles a single decode program.
 PROMPTS = [_ids(128, seed=3), _ids(23, seed=4)]
 GREEDY_CASES = ("llama3_rope", "qwen2", "qwen3", "mistral_swa", "gemma2", "gemma3", "mixtral",
-                "qwen3_moe")
+                "qwen3_moe", "phi3")
 GREEDY = jaxkv.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -120,8 +120,9 @@ def test_config_matches_hf(checkpoints, name):
     assert c.qk_norm == (name in ("qwen3", "gemma3", "qwen3_moe"))
     assert (c.num_experts, c.num_experts_per_tok, c.dense_layers) == {
         "mixtral": (4, 2, ()), "qwen3_moe": (8, 3, (1,))}.get(name, (0, 0, ()))
-    assert c.sliding_window == (16 if name in ("mistral_swa", "gemma2", "gemma3") else None)
-    assert (c.rope_scaling is not None) == (name in ("llama3_rope", "gemma3"))
+    assert c.sliding_window == {"mistral_swa": 16, "gemma2": 16, "gemma3": 16,
+                                "phi3": 48}.get(name)
+    assert (c.rope_scaling is not None) == (name in ("llama3_rope", "gemma3", "phi3"))
     gemma = name.startswith("gemma")
     assert (c.gemma_norm, c.scale_embeddings, c.hidden_act == "gelu_tanh") == (gemma,) * 3
     assert c.sandwich_norm == (name in ("gemma2", "gemma3"))
@@ -199,6 +200,8 @@ _SWITCH_OFF = {
     "gemma3-sandwich": dict(sandwich_norm=False),
     "mixtral": dict(num_experts_per_tok=1),
     "qwen3_moe": dict(norm_topk_prob=True),
+    "phi3": dict(sliding_window=None),
+    "phi3-longrope": dict(rope_scaling=None),
 }
 
 
@@ -247,6 +250,45 @@ def test_greedy_tokens_match_hf_generate(checkpoints, name):
     want = [_hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     assert got == want
     assert all(len(set(w)) > 5 for w in want)  # not a degenerate one-token loop
+
+
+def test_longrope_past_the_original_context_matches_transformers_cache(tmp_path):
+    # Phi-3's LongRoPE switches to the long factors at original_max_position_embeddings (64
+    # here). jaxkv rotates each token by the factors of its own position and keeps its KV;
+    # transformers' model does the same when stepped with its cache (its `generate` instead
+    # drops the cache once, at the crossing, and recomputes the sequence with the long
+    # factors). 40 prompt tokens, then 60 greedy ones: every step's logits equal transformers'
+    # fed the same tokens one at a time with its cache.
+    rope = {**PHI3_ROPE, "original_max_position_embeddings": 64, "partial_rotary_factor": 1.0}
+    hf = build_hf_model("phi3", rope_parameters=rope, original_max_position_embeddings=64)
+    model = jaxkv.load_pretrained(save_hf_model(hf, tmp_path))
+    assert model.config.rope_scaling.original_max_position_embeddings == 64
+    prompt = _ids(40, seed=9)
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=0)
+    (out,) = jaxkv.LLM(model, max_model_len=256, warmup=False).generate(
+        prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    with torch.no_grad():
+        step = hf(torch.tensor([prompt]), use_cache=True)
+        for j, token in enumerate(tokens):
+            logp = torch.log_softmax(step.logits[0, -1].double(), -1)
+            assert int(logp.argmax()) == token, j
+            np.testing.assert_allclose(out.outputs[0].logprobs[j][token].logprob,
+                                       float(logp[token]), atol=ATOL, rtol=0)
+            step = hf(torch.tensor([[token]]), cache=step.past_key_values,
+                      use_cache=True)
+    assert len(set(tokens[30:])) > 5
+
+
+@pytest.mark.parametrize("name", ["phi3", "llama3_rope"])
+def test_saved_checkpoint_reads_back_in_transformers(checkpoints, tmp_path, name):
+    # save_params writes HF's layout (Phi-3's fused projections joined again, its LongRoPE
+    # parameters): transformers reads it back to the same model.
+    hf, _, model = checkpoints(name)
+    save_params(model.module(), tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                              dtype=torch.float32).eval()
+    np.testing.assert_allclose(hf_logits(again, LONG), hf_logits(hf, LONG), atol=1e-5, rtol=0)
 
 
 def test_min_tokens_masks_stop_tokens_as_hf_min_new_tokens(checkpoints):

@@ -15,21 +15,27 @@ from typing import Any
 from jaxkv.errors import CheckpointNotFoundError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-                         "mixtral", "qwen3_moe")
+                         "mixtral", "qwen3_moe", "phi3")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` values
-_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling (`rope_type` "llama3" or "linear"), as in HF `rope_parameters`."""
+    """RoPE frequency scaling (`rope_type` "llama3", "linear" or "longrope"), as in HF
+    `rope_parameters`. LongRoPE (Phi-3): each frequency divided by its ``short_factor`` at
+    positions below ``original_max_position_embeddings`` and by its ``long_factor`` from there
+    on, cos and sin scaled by ``attention_factor``."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +175,20 @@ class ModelConfig:
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
+                "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}[self.model_type]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**dataclasses.asdict(self.rope_scaling), "rope_theta": self.rope_theta}
+            if self.rope_scaling.rope_type == "longrope":
+                rope = {k: rope[k] for k in ("rope_type", "rope_theta", "factor",
+                                             "original_max_position_embeddings",
+                                             "attention_factor")}
+                rope.update(short_factor=list(self.rope_scaling.short_factor),
+                            long_factor=list(self.rope_scaling.long_factor),
+                            partial_rotary_factor=1.0)
+            else:
+                for key in ("short_factor", "long_factor", "attention_factor"):
+                    rope.pop(key)
         if self.model_type == "gemma3_text":
             local = self.rope_theta if self.local_rope_theta is None else self.local_rope_theta
             rope = {FULL: rope, SLIDING: {"rope_type": "default", "rope_theta": local}}
@@ -207,8 +223,13 @@ class ModelConfig:
                        final_logit_softcapping=self.final_softcap,
                        sliding_window=self.sliding_window,
                        layer_types=list(self.layer_types or [FULL] * self.num_layers))
-        if self.model_type in ("mistral", "mixtral"):
+        if self.model_type in ("mistral", "mixtral", "phi3"):
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "phi3":  # its config's default pad id (32000) may not exist
+            out["pad_token_id"] = None
+        if self.model_type == "phi3" and self.rope_scaling is not None:
+            out["original_max_position_embeddings"] = \
+                self.rope_scaling.original_max_position_embeddings
         if self.model_type == "mixtral":
             out.update(num_local_experts=self.num_experts,
                        num_experts_per_tok=self.num_experts_per_tok,
@@ -301,6 +322,19 @@ def _rope(rope: dict, hf, where: str) -> tuple[float, RopeScaling | None]:
         )
     if rope_type == "linear":
         return theta, RopeScaling(rope_type="linear", factor=float(rope["factor"]))
+    if rope_type == "longrope":
+        original = int(rope.get("original_max_position_embeddings")
+                       or hf.original_max_position_embeddings)
+        factor = rope.get("factor") or hf.max_position_embeddings / original
+        attention = rope.get("attention_factor")
+        if attention is None:  # HF's default: from the context extension factor
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) /
+                                                          math.log(original))
+        return theta, RopeScaling(
+            rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
+            short_factor=tuple(float(f) for f in rope["short_factor"]),
+            long_factor=tuple(float(f) for f in rope["long_factor"]),
+            attention_factor=float(attention))
     return theta, None
 
 
@@ -368,7 +402,7 @@ def _from_hf_config(hf) -> ModelConfig:
     options: dict[str, Any] = {}
     if gemma:
         options = _gemma_options(hf, model_type)
-    elif model_type in ("mistral", "mixtral"):
+    elif model_type in ("mistral", "mixtral", "phi3"):
         options = dict(sliding_window=getattr(hf, "sliding_window", None))
     if model_type in ("mixtral", "qwen3_moe"):
         options.update(_moe_options(hf, model_type))

@@ -34,7 +34,7 @@ from jaxkv.model.quant import (
     qdot,
 )
 from jaxkv.model.quant import table_rows as default_table_rows
-from jaxkv.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from jaxkv.model.rope import apply_rope, rope_tables
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # quantizable [in, out] weights
@@ -179,9 +179,9 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(c.hidden_size ** 0.5, self.dtype)
         # Recomputed from the static config at trace time (a host constant): an array attribute
         # would become a placeholder under `nnx.eval_shape`, which checkpoint loading uses.
-        rope = rope_cos_sin(positions_t, inverse_frequencies(c))
+        rope = rope_tables(c, positions_t)
         local_rope = rope if c.local_rope_theta is None else \
-            rope_cos_sin(positions_t, inverse_frequencies(c, local=True))
+            rope_tables(c, positions_t, local=True)
         sliding = jnp.asarray([c.is_sliding(i) for i in range(c.num_layers)])
         kernel = self.matmul_kernel()
         gemma = c.gemma_norm

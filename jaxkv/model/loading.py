@@ -175,6 +175,42 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype=jnp.float32,
                         quantization=quantization)
 
 
+_FUSED = {  # Phi-3: HF tensor -> the unfused names it splits into, along its output rows
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def unfused(items, config: ModelConfig):
+    """``items`` with Phi-3's fused qkv and gate_up projections split into the tensors jaxkv
+    keeps (q | k | v and gate | up, by output rows); a fused tensor is read once, when its
+    first part is loaded."""
+    c = config
+    rows = {"self_attn.qkv_proj.weight": (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                          c.num_kv_heads * c.head_dim),
+            "mlp.gate_up_proj.weight": (c.intermediate_size, c.intermediate_size)}
+    for key, load in items:
+        suffix = next((f for f in _FUSED if key.endswith("." + f)), None)
+        if suffix is None:
+            yield key, load
+            continue
+        prefix, held = key[: -len(suffix)], {}
+
+        def part(i, load=load, held=held, sizes=rows[suffix], key=key):
+            if "tensor" not in held:
+                held["tensor"] = load()
+            tensor = held["tensor"]
+            if sum(sizes) != tensor.shape[0]:
+                raise CheckpointError(f"{key}: {tensor.shape[0]} rows, expected "
+                                      f"{' + '.join(map(str, sizes))}")
+            start = sum(sizes[:i])
+            return tensor[start:start + sizes[i]]
+
+        for i, name in enumerate(_FUSED[suffix]):
+            yield prefix + name, lambda i=i, part=part: part(i)
+
+
 def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
                  param_dtype=jnp.float32, scan_layers: bool | None = None,
                  on_host: bool = False, quantization: QuantScheme | None = None,
@@ -186,6 +222,8 @@ def load_tensors(items, source: str, config: ModelConfig, *, dtype=jnp.float32,
     ``source`` names the checkpoint in errors; ``table_rows``: see `Llama`."""
     model = abstract_model(config, dtype, param_dtype, scan_layers, quantization, table_rows)
     expected = _expected(model)
+    if config.model_type == "phi3":
+        items = unfused(items, config)
     rows = isinstance(model.embed.get_value(), QuantizedTable)
 
     def place(value):  # on_host: numpy, for `jaxkv.shard` to send each device its part only
@@ -277,8 +315,26 @@ def hf_tensors(model: Llama):
         array = np.asarray(jax.device_get(value))
         return array.T if transpose else array
 
-    for key, slot in _expected(model).items():
-        yield key, lambda s=slot: load(s.name, s.layer, s.transpose, s.expert)
+    items = ((key, lambda s=slot: load(s.name, s.layer, s.transpose, s.expert))
+             for key, slot in _expected(model).items())
+    yield from (fused(items) if model.config.model_type == "phi3" else items)
+
+
+def fused(items):
+    """``items`` with Phi-3's q/k/v and gate/up tensors joined into its fused ones (the inverse
+    of `unfused`)."""
+    parts: dict[str, list] = {}
+    whole = {name: fused for fused, names in _FUSED.items() for name in names}
+    for key, load in items:
+        suffix = next((n for n in whole if key.endswith("." + n)), None)
+        if suffix is None:
+            yield key, load
+            continue
+        prefix = key[: -len(suffix)]
+        group = parts.setdefault(prefix + whole[suffix], [])
+        group.append(load)
+        if len(group) == len(_FUSED[whole[suffix]]):
+            yield prefix + whole[suffix], lambda g=tuple(group): np.concatenate([f() for f in g])
 
 
 def save_params(model: Llama, folder: str | Path, *, dtype=None) -> None:

@@ -21,6 +21,8 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarr
     rs = None if local else config.rope_scaling
     if rs is None:
         return inv
+    if rs.rope_type == "longrope":  # the short factors; `rope_tables` switches to the long ones
+        return (inv / np.asarray(rs.short_factor, np.float32)).astype(np.float32)
     if rs.rope_type == "linear":
         return (inv / rs.factor).astype(np.float32)
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
@@ -33,6 +35,26 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarr
     blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_tables(config: ModelConfig, positions_t, *, local: bool = False):
+    """cos, sin f32[T, D] of each position under ``config``'s RoPE (``local``: the base of
+    sliding-window layers). LongRoPE takes each token's factors from its own position: short
+    below ``original_max_position_embeddings``, long from there on (transformers' cached
+    generation does the same for a prompt shorter than that; its full forward over a longer
+    sequence rotates every position with the long factors, which a KV cache cannot)."""
+    rs = None if local else config.rope_scaling
+    cos, sin = rope_cos_sin(positions_t, inverse_frequencies(config, local=local))
+    if rs is None or rs.rope_type != "longrope":
+        return cos, sin
+    d = config.head_dim
+    base = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32)
+                                        / d))
+    long_cos, long_sin = rope_cos_sin(positions_t, (base / np.asarray(
+        rs.long_factor, np.float32)).astype(np.float32))
+    far = (positions_t >= rs.original_max_position_embeddings)[:, None]
+    scale = jnp.float32(rs.attention_factor)
+    return (jnp.where(far, long_cos, cos) * scale, jnp.where(far, long_sin, sin) * scale)
 
 
 def rope_cos_sin(positions_t, inv_freq):
