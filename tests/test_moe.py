@@ -81,3 +81,13 @@ def test_a_run_of_groups_from_an_offset(platform):
     want = np.zeros((sum(sizes), 6), np.float32)
     want[6:11], want[11:] = rows[6:11] @ w[2], rows[11:] @ w[3]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bench_moe_runs_and_checks_both_paths(capsys):
+    # `jaxkv bench moe` on a tiny layer: both grouped paths agree (it asserts so) and the
+    # table comes out with its reproduce line.
+    from jaxkv.bench.cli import main
+
+    assert main(["moe", "--shape", "tiny", "--tokens", "1", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ragged / tiles" in out and "reproduce: jaxkv bench moe --shape tiny" in out

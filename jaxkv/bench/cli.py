@@ -22,6 +22,7 @@ COMMANDS = {
     "serve": "serve",
     "soak": "soak",
     "quant": "quant",
+    "moe": "moe",
     "kv-accuracy": "kv_accuracy",
     "kv-capacity": "kv_capacity",
     "host-tier": "host_tier",
