@@ -117,8 +117,8 @@ def param_spec(path, shape: tuple[int, ...], tp: int, expert_parallel: bool = Fa
     channel: replicated, as each device's partial sums take the same scale).
     ``expert_parallel``: MoE experts [X, ..] split by expert instead of by width."""
     names, ndim = _names(path), len(shape)
-    if expert_parallel and set(names) & set(_EXPERTS):
-        return P(TP)
+    if expert_parallel and set(names) & set(_EXPERTS):  # [(L,) X, in, out]: by expert
+        return P(*(None,) * (ndim - 3), TP)
     if "embed" in names:  # split over the vocabulary: a float [V, E] table or a
         # `QuantizedTable` ([V, E], [V, 1]) by rows, a quantized [E, V] one by columns
         return P(None, TP) if names[-1] in ("q", "scale", "offset") else P(TP, None)
@@ -164,6 +164,10 @@ def shard(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> Model:
     check_divisible(model.config, tp, expert_parallel)
     module = model.module()
     if model.config.num_kv_heads < tp:
+        if not isinstance(module, Llama):  # its params' kv heads are laid out its own way
+            raise ValueError(f"tensor_parallel_size={tp} exceeds num_kv_heads="
+                             f"{model.config.num_kv_heads}: jaxkv replicates kv heads only in "
+                             f"its own model, not in {type(module).__name__}")
         module = _expand_kv_heads(module, tp)
     module.expert_parallel = expert_parallel  # static: in the graphdef the steps compile
     graphdef, params = nnx.split(module)

@@ -31,9 +31,10 @@ SHAPE = dict(page_size=8, num_pages=28, max_num_seqs=4, max_num_batched_tokens=3
              max_model_len=128, max_decode_steps=4, warmup=False)
 
 
-# make test's time: Gemma 3 (local/global, scanned and not) and Qwen3-MoE run in CI; the
-# Gemma 2 engine runs and the other int8 runs under -m slow (tests/conftest.py reads SLOW).
+# make test's time: Gemma 3 scanned (the window switch) and Qwen3-MoE run in CI; Gemma 2, Gemma
+# 3 unrolled and the other int8 runs under -m slow (tests/conftest.py reads SLOW).
 SLOW = {"test_engine_greedy_equals_transformers_with_prefix_hits_and_preemption[gemma2-False]",
+        "test_engine_greedy_equals_transformers_with_prefix_hits_and_preemption[gemma3-False]",
         "test_engine_greedy_equals_transformers_with_prefix_hits_and_preemption[gemma2-True]",
         "test_int8_pages_track_transformers[gemma2]",
         "test_int8_pages_track_transformers[qwen3_moe]"}

@@ -252,6 +252,41 @@ def test_greedy_tokens_match_hf_generate(checkpoints, name):
     assert all(len(set(w)) > 5 for w in want)  # not a degenerate one-token loop
 
 
+def test_qwen3_moe_sliding_window_applies_to_every_layer(tmp_path):
+    # Qwen3-MoE keeps `sliding_window` only with use_sliding_window, and then on every layer.
+    hf = build_hf_model("qwen3_moe", use_sliding_window=True, sliding_window=16)
+    model = jaxkv.load_pretrained(save_hf_model(hf, tmp_path))
+    assert model.config.windows == (16, 16, 16)
+    np.testing.assert_allclose(dense_logits(model, LONG), hf_logits(hf, LONG), atol=ATOL, rtol=0)
+
+
+def test_gemma_activation_is_read_where_transformers_reads_it(tmp_path):
+    # Gemma 1's MLP applies `hidden_act` (Gemma 2/3: `hidden_activation`): a config asking for
+    # another activation is refused by that field's name, never served as tanh-GELU.
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'silu'"):
+        ModelConfig.from_hf(_copy_config("gemma", tmp_path, hidden_act="silu"))
+
+
+def test_bad_longrope_and_dense_layers_are_named():
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                num_kv_heads=2, head_dim=16)
+    rope = jaxkv.model.config.RopeScaling("longrope", short_factor=(1.0,) * 8,
+                                          long_factor=(1.0,) * 7)
+    with pytest.raises(ValueError, match="rope_scaling.long_factor has 7 entries"):
+        ModelConfig(**base, rope_scaling=rope)
+    with pytest.raises(ValueError, match="dense_layers: \\[5\\]"):
+        ModelConfig(**base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                    dense_layers=(5,))
+
+
+def _copy_config(name, tmp_path, **edits):
+    """A folder with spec ``name``'s config.json (no weights), ``edits`` applied."""
+    config = json.loads(build_hf_model(name).config.to_json_string())
+    config.update(edits)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
 def test_longrope_past_the_original_context_matches_transformers_cache(tmp_path):
     # Phi-3's LongRoPE switches to the long factors at original_max_position_embeddings (64
     # here). jaxkv rotates each token by the factors of its own position and keeps its KV;

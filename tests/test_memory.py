@@ -224,3 +224,19 @@ def test_memory_cli_counts_int8_scales(capsys):
     assert "KV for 1,000 tokens x 1 seq: 66,560,000 bytes" in out
     assert "KV per token     66,560 bytes" in out  # the plan uses the KV dtype too
     assert "llama-3-8b (bfloat16, KV int8)" in out
+
+
+def test_moe_parameters_count_dense_layers_apart():
+    # Qwen3-MoE's mlp_only_layers / decoder_sparse_step: those layers hold a dense MLP, counted
+    # as such (not as experts). Hand count for a 4-layer toy: with step 2, layers 1 and 3 hold
+    # experts ((i + 1) % 2 == 0, as transformers decides) and layers 0 and 2 a dense MLP.
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 8,
+              "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "head_dim": 4, "vocab_size": 10, "tie_word_embeddings": True,
+              "num_experts": 3, "moe_intermediate_size": 5, "decoder_sparse_step": 2}
+    shape = ModelShape.from_hf_config(config)
+    assert shape.dense_layers == (0, 2)
+    e, hd = 8, 2 * 4
+    attention = e * hd * 4 + 2 * e + 2 * 4  # q, k, v, o; two norms; q/k norms
+    dense, moe = 3 * e * 16, e * 3 + 3 * 3 * e * 5
+    assert shape.num_params() == 10 * e + 4 * attention + 2 * dense + 2 * moe + e

@@ -96,6 +96,9 @@ def weight_factors(model):
     for i in range(c.num_layers):
         g = np.asarray(layers.param("attn_norm", i).get_value(), np.float32)
         w = layers.param("wk", i).get_value()
+        if layers.scan:  # stacked [L, ...]: this layer's slice
+            g, w = g[i], jax.tree.map(lambda x, i=i: x[i], w)
+        g = g + 1 if c.gemma_norm else g  # Gemma's norms scale by (1 + w)
         w = dequantize_host(w) if is_quantized(w) else np.asarray(w, np.float32)
         out.append(np.linalg.norm(g[:, None] * w, axis=0).reshape(c.num_kv_heads, c.head_dim))
     return _pair_max(np.stack(out))

@@ -53,8 +53,9 @@ class ModelShape:
 
     qk_norm: bool = False
     sandwich_norm: bool = False  # Gemma 2/3's post-attention and post-MLP norms
-    num_experts: int = 0  # a mixture of experts in every layer (Mixtral, Qwen3-MoE)
+    num_experts: int = 0  # a mixture of experts (Mixtral, Qwen3-MoE)
     moe_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense MLP
 
     def num_params(self) -> int:
         """Parameter count (the model's own formula, `jaxkv.model.config.count_params`)."""

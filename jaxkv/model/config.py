@@ -103,6 +103,20 @@ class ModelConfig:
                              f"got {self.num_experts_per_tok}")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ValueError("ModelConfig.moe_intermediate_size must be positive with experts")
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type not in _SUPPORTED_ROPE_TYPES[1:]:
+            raise ValueError(f"ModelConfig.rope_scaling.rope_type must be one of "
+                             f"{_SUPPORTED_ROPE_TYPES[1:]}, got {rs.rope_type!r}")
+        if rs is not None and rs.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(rs, name)) != self.head_dim // 2:
+                    raise ValueError(f"ModelConfig.rope_scaling.{name} has "
+                                     f"{len(getattr(rs, name))} entries; head_dim "
+                                     f"{self.head_dim} needs {self.head_dim // 2}")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"ModelConfig.dense_layers: {bad} are not layers of a "
+                             f"{self.num_layers}-layer model")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"ModelConfig.hidden_act must be 'silu' or 'gelu_tanh', "
                              f"got {self.hidden_act!r}")
@@ -278,8 +292,12 @@ def _expert_dims(model_type, get) -> dict[str, int]:
         return dict(num_experts=int(get("num_local_experts")),
                     moe_intermediate_size=int(get("intermediate_size")))
     if model_type == "qwen3_moe" and int(get("num_experts", 0) or 0):
+        step = int(get("decoder_sparse_step", 1) or 1)
+        only = set(get("mlp_only_layers", None) or ())
+        dense = tuple(i for i in range(int(get("num_hidden_layers")))
+                      if i in only or (i + 1) % step)
         return dict(num_experts=int(get("num_experts")),
-                    moe_intermediate_size=int(get("moe_intermediate_size")))
+                    moe_intermediate_size=int(get("moe_intermediate_size")), dense_layers=dense)
     return {}
 
 
@@ -340,10 +358,11 @@ def _rope(rope: dict, hf, where: str) -> tuple[float, RopeScaling | None]:
 
 def _gemma_options(hf, model_type: str) -> dict[str, Any]:
     """The ModelConfig fields that set Gemma 1/2/3 apart from Llama."""
-    act = getattr(hf, "hidden_activation", None) or "gelu_pytorch_tanh"
+    field = "hidden_act" if model_type == "gemma" else "hidden_activation"  # what HF reads
+    act = getattr(hf, field, None) or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise UnsupportedModelError(f"hidden_activation {act!r} is not supported on "
-                                    f"{model_type} (only 'gelu_pytorch_tanh')")
+        raise UnsupportedModelError(f"{field} {act!r} is not supported on {model_type} "
+                                    "(only 'gelu_pytorch_tanh')")
     if getattr(hf, "use_bidirectional_attention", False):
         raise UnsupportedModelError("use_bidirectional_attention=True is not supported "
                                     "(jaxkv serves causal decoders)")
@@ -365,11 +384,8 @@ def _moe_options(hf, model_type: str) -> dict[str, Any]:
         return dict(num_experts_per_tok=int(hf.num_experts_per_tok), norm_topk_prob=True)
     if not int(getattr(hf, "num_experts", 0) or 0):
         return {}
-    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
-    only = set(getattr(hf, "mlp_only_layers", None) or ())
-    dense = tuple(i for i in range(int(hf.num_hidden_layers)) if i in only or (i + 1) % step)
     return dict(num_experts_per_tok=int(hf.num_experts_per_tok),
-                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)), dense_layers=dense)
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)))
 
 
 def _from_hf_config(hf) -> ModelConfig:
@@ -402,14 +418,15 @@ def _from_hf_config(hf) -> ModelConfig:
     options: dict[str, Any] = {}
     if gemma:
         options = _gemma_options(hf, model_type)
-    elif model_type in ("mistral", "mixtral", "phi3"):
+    elif model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
+        # (Qwen3-MoE's config keeps its window only with use_sliding_window, for every layer)
         options = dict(sliding_window=getattr(hf, "sliding_window", None))
-    if model_type in ("mixtral", "qwen3_moe"):
-        options.update(_moe_options(hf, model_type))
     elif getattr(hf, "use_sliding_window", False):
         raise UnsupportedModelError(
             f"use_sliding_window=True on {model_type} (per-layer windows) is not supported"
         )
+    if model_type in ("mixtral", "qwen3_moe"):
+        options.update(_moe_options(hf, model_type))
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 

@@ -221,7 +221,9 @@ class Llama(nnx.Module):
                 h = moe_mlp(h, p, k=c.num_experts_per_tok, normalize=c.norm_topk_prob,
                             activation=lambda a: gated_activation(a, c.hidden_act),
                             platform=self.kernel_platform or jax.default_backend(),
-                            mesh=self.mesh, expert_parallel=self.expert_parallel)
+                            mesh=self.mesh, expert_parallel=self.expert_parallel,
+                            weights_dtype=self.dtype if c.model_type == "qwen3_moe"
+                            else jnp.float32)
             else:
                 h = mm(gated_activation(mm(h, "w_gate"), c.hidden_act) * mm(h, "w_up"),
                        "w_down")

@@ -201,6 +201,10 @@ def unfused(items, config: ModelConfig):
             if "tensor" not in held:
                 held["tensor"] = load()
             tensor = held["tensor"]
+            if is_quantized(tensor):
+                raise CheckpointError(f"{key}: a quantized fused projection (Phi-3's qkv_proj "
+                                      "or gate_up_proj) is not supported; load a float "
+                                      "checkpoint and quantize it on load")
             if sum(sizes) != tensor.shape[0]:
                 raise CheckpointError(f"{key}: {tensor.shape[0]} rows, expected "
                                       f"{' + '.join(map(str, sizes))}")

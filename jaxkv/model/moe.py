@@ -24,13 +24,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
-def route(x, router, k: int, normalize: bool):
-    """(weights f32[T, k], experts i32[T, k]) of tokens x[T, E] under ``router`` [E, X]."""
+def route(x, router, k: int, normalize: bool, weights_dtype=jnp.float32):
+    """(weights [T, k], experts i32[T, k]) of tokens x[T, E] under ``router`` [E, X]; the
+    weights rounded to ``weights_dtype`` (Qwen3-MoE: the compute dtype; Mixtral: float32)."""
     probs = jax.nn.softmax(jnp.dot(x, router.astype(x.dtype)).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+    return weights.astype(weights_dtype), experts.astype(jnp.int32)
 
 
 def _tile_rows(m: int, groups: int) -> int:
@@ -39,14 +40,14 @@ def _tile_rows(m: int, groups: int) -> int:
     return min(128, max(8, 1 << (mean - 1).bit_length()))
 
 
-def grouped_matmul_tiles(rows, w, group_sizes, row_offset=0):
+def grouped_matmul_tiles(rows, w, group_sizes, row_offset=0, tile: int | None = None):
     """[M, N] = each run of ``rows`` [M, K] times its expert's ``w`` [X, K, N], the runs'
     lengths in ``group_sizes`` i32[X], the first starting at row ``row_offset``; rows outside
     the runs are zero. A loop over tiles of rows, each inside one run (see the module
-    docstring)."""
+    docstring); ``tile`` rows each (default: from the mean rows per group)."""
     m, kdim = rows.shape
     groups, _, n = w.shape
-    tile = _tile_rows(m, groups)
+    tile = tile or _tile_rows(m, groups)
     ends = row_offset + jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     tiles = (group_sizes + tile - 1) // tile  # per expert
@@ -66,10 +67,11 @@ def grouped_matmul_tiles(rows, w, group_sizes, row_offset=0):
     return out[:m]
 
 
-def grouped_matmul(rows, w, group_sizes, *, platform: str, row_offset=0):
+def grouped_matmul(rows, w, group_sizes, *, platform: str, row_offset=0,
+                   tile: int | None = None):
     """`jax.lax.ragged_dot` on TPU, `grouped_matmul_tiles` elsewhere (arguments as there)."""
     if platform != "tpu":
-        return grouped_matmul_tiles(rows, w, group_sizes, row_offset)
+        return grouped_matmul_tiles(rows, w, group_sizes, row_offset, tile)
     m = rows.shape[0]
     if isinstance(row_offset, int) and row_offset == 0:
         local = rows
@@ -85,7 +87,7 @@ def grouped_matmul(rows, w, group_sizes, *, platform: str, row_offset=0):
 
 
 def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str, mesh=None,
-            expert_parallel: bool = False):
+            expert_parallel: bool = False, weights_dtype=jnp.float32):
     """The MoE MLP of tokens x[T, E] with params ``p`` (router [E, X], experts_gate and
     experts_up [X, E, F], experts_down [X, F, E]) -> [T, E].
 
@@ -95,13 +97,14 @@ def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str, m
     computes only the rows routed to them)."""
     t = x.shape[0]
     num_experts = p["router"].shape[-1]
-    weights, experts = route(x, p["router"], k, normalize)
+    weights, experts = route(x, p["router"], k, normalize, weights_dtype)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # rows sorted by expert
     token = order // k
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[token]
     axis = None if mesh is None else mesh.axis_names[0]
+    tile = _tile_rows(rows.shape[0], num_experts)  # the same under expert parallelism
 
     def mlp(rows, sizes, w_gate, w_up, w_down):
         offset, local = 0, sizes
@@ -113,7 +116,7 @@ def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str, m
 
         def mm(a, w):
             return grouped_matmul(a, w.astype(x.dtype), local, platform=platform,
-                                  row_offset=offset)
+                                  row_offset=offset, tile=tile)
 
         h = mm(activation(mm(rows, w_gate)) * mm(rows, w_up), w_down)
         return h if axis is None else jax.lax.psum(h, axis)
@@ -124,5 +127,6 @@ def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str, m
         mlp = jax.shard_map(mlp, mesh=mesh, in_specs=(P(), P(), gate, gate, down),
                             out_specs=P(), check_vma=False)
     h = mlp(rows, sizes, p["experts_gate"], p["experts_up"], p["experts_down"])
-    h = (h.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
+    w = weights.reshape(-1)[order][:, None]  # HF: rows * weights in their dtypes' promotion
+    h = (h.astype(jnp.promote_types(x.dtype, w.dtype)) * w).astype(x.dtype)
     return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(h)

@@ -40,9 +40,11 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> np.ndarr
 def rope_tables(config: ModelConfig, positions_t, *, local: bool = False):
     """cos, sin f32[T, D] of each position under ``config``'s RoPE (``local``: the base of
     sliding-window layers). LongRoPE takes each token's factors from its own position: short
-    below ``original_max_position_embeddings``, long from there on (transformers' cached
-    generation does the same for a prompt shorter than that; its full forward over a longer
-    sequence rotates every position with the long factors, which a KV cache cannot)."""
+    below ``original_max_position_embeddings``, long from there on, so a token's KV depends on
+    its position only. transformers' model stepped with its cache computes the same; a
+    forward whose sequence is longer than that uses the long factors at every position (its
+    `generate` recomputes the cache once at the crossing), and vLLM switches per batch: for a
+    prompt longer than the original context, jaxkv's early keys differ from theirs."""
     rs = None if local else config.rope_scaling
     cos, sin = rope_cos_sin(positions_t, inverse_frequencies(config, local=local))
     if rs is None or rs.rope_type != "longrope":

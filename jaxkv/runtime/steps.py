@@ -128,24 +128,30 @@ def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offset
     (kv_pages, kv_scales or None), carried through the layers."""
     c = model.config
 
-    def attend(q, k, v, kv, layer, write_pages, write_offsets, page_table, kv_lens,
-               cu_q_lens, num_seqs):
-        kv_pages, kv_scales = write_kv(kv[0], layer, k, v, write_pages, write_offsets, kv[1])
-        q = rotate_queries(q, kv_scales)  # quantized pages hold rotated keys: q is rotated alike
+    def attend_with(windows):
+        """Attention of a layer whose window is one of ``windows`` (a layer's own, when the
+        layer index is a Python int: unrolled layers, with or without a mesh)."""
+        def attend(q, k, v, kv, layer, write_pages, write_offsets, page_table, kv_lens,
+                   cu_q_lens, num_seqs):
+            kv_pages, kv_scales = write_kv(kv[0], layer, k, v, write_pages, write_offsets,
+                                           kv[1])
+            q = rotate_queries(q, kv_scales)  # quantized pages hold rotated keys: q alike
 
-        def read(window):
-            return paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens, num_seqs,
-                                   decode=decode, sm_scale=c.sm_scale, soft_cap=c.attn_softcap,
-                                   sliding_window=window, impl=impl, kv_scales=kv_scales)
+            def read(window):
+                return paged_attention(q, kv_pages, layer, page_table, kv_lens, cu_q_lens,
+                                       num_seqs, decode=decode, sm_scale=c.sm_scale,
+                                       soft_cap=c.attn_softcap, sliding_window=window,
+                                       impl=impl, kv_scales=kv_scales)
 
-        return windowed_attention(read, c.windows, layer), (kv_pages, kv_scales)
+            return windowed_attention(read, windows, layer), (kv_pages, kv_scales)
 
-    if mesh is not None:  # each device: its heads, its kv heads' pages (no communication)
-        attend = sharded_attention(attend, mesh)
+        # with a mesh: each device, its heads and its kv heads' pages (no communication)
+        return attend if mesh is None else sharded_attention(attend, mesh)
 
     def attention(layer, q, k, v, kv):
-        return attend(q, k, v, kv, layer, write_pages, write_offsets, page_table,
-                      kv_lens, cu_q_lens, num_seqs)
+        windows = (c.layer_window(layer),) if isinstance(layer, int) else c.windows
+        return attend_with(windows)(q, k, v, kv, layer, write_pages, write_offsets,
+                                    page_table, kv_lens, cu_q_lens, num_seqs)
 
     return model(tokens, positions, attention, kv)
 

@@ -56,16 +56,31 @@ def test_tensor_parallel_equals_one_device(config, scan):
     _assert_same(_serve(model, tensor_parallel_size=2), _serve(model))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_expert_parallel_equals_one_device(tp):
-    model = jaxkv.random_model(MOE, seed=2, scan_layers=False)
+@pytest.mark.parametrize("tp, scan", [(2, False), (4, False), (2, True)])
+def test_expert_parallel_equals_one_device(tp, scan):
+    # scanned: every layer MoE, experts stacked [L, X, E, F] and split on X
+    config = dataclasses.replace(MOE, dense_layers=()) if scan else MOE
+    model = jaxkv.random_model(config, seed=2, scan_layers=scan)
     llm = LLM(model, tensor_parallel_size=tp, enable_expert_parallel=True, **SHAPE)
     experts = llm.engine.model.module().layers.param("experts_gate", 0)[...]
-    assert {s.data.shape[0] for s in experts.addressable_shards} == {8 // tp}  # whole experts
+    assert {s.data.shape[int(scan)] for s in experts.addressable_shards} == {8 // tp}
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
     got = [(o.outputs[0].token_ids, [next(iter(d.values())).logprob
                                      for d in o.outputs[0].logprobs]) for o in outs]
     _assert_same(got, _serve(model))
+
+
+def test_a_custom_module_is_not_given_replicated_kv_heads():
+    # jaxkv replicates kv heads (tp > num_kv_heads) only in its own model's params
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "custom_model", Path(__file__).resolve().parents[2] / "examples" / "custom_model.py")
+    custom = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(custom)
+    with pytest.raises(ValueError, match="replicates kv heads only in its own model"):
+        LLM(custom.build(), tensor_parallel_size=4, **SHAPE)
 
 
 def test_expert_parallel_needs_experts_and_a_divisible_count():
