@@ -55,6 +55,16 @@ def check_page_size(impl: str, page_size: int, dtype) -> None:
                          "pages")
 
 
+def check_head_dim(impl: str, head_dim: int) -> None:
+    """Raises ValueError if the kernel ``impl`` selects cannot take ``head_dim``: the GPU
+    (Triton) kernels need a power of two >= 16 (Phi-3's 96 is not); the TPU and CPU kernels
+    and the reference take any."""
+    if kernel_for(impl) == "gpu" and (head_dim < 16 or head_dim & (head_dim - 1)):
+        raise ValueError(f"head_dim={head_dim}: the GPU attention kernel (attention_impl="
+                         f"{impl!r}) needs a power of two >= 16; attention_impl='reference' "
+                         "runs this model on GPU with the pure-jnp attention (slower)")
+
+
 def _backend(impl: str) -> tuple[str, bool]:
     """(pallas_kernels backend, interpret) for an attention_impl."""
     return {"auto": ("auto", False), "reference": ("reference", False),

@@ -61,3 +61,16 @@ def test_pack_and_split_kv_round_trip():
     np.testing.assert_array_equal(np.asarray(back_k), np.asarray(k))
     with pytest.raises(ValueError, match="must match"):
         pack_kv(k, k[..., :4])
+
+
+def test_gpu_kernel_refuses_a_head_dim_it_cannot_tile():
+    # Phi-3's head_dim 96: the Triton kernels tile powers of two; the engine says so up front
+    # (naming the field and the way out) instead of failing inside a trace.
+    config = jaxkv.ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=64,
+                               num_layers=1, num_heads=1, num_kv_heads=1, head_dim=96)
+    model = jaxkv.random_model(config)
+    with pytest.raises(ValueError, match="head_dim=96: the GPU attention kernel"):
+        jaxkv.Engine(model, attention_impl="interpret", num_pages=8, max_model_len=32,
+                     warmup=False)
+    jaxkv.Engine(model, attention_impl="reference", num_pages=8, max_model_len=32,
+                 warmup=False)  # the way out named in the message

@@ -117,6 +117,7 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
             sandwich=True),
     _preset("gemma-3-4b", 34, 2560, 10240, 8, 4, 256, 262208, tied=True, qk_norm=True,
             sandwich=True),
+    _preset("phi-3.5-mini", 32, 3072, 8192, 32, 32, 96, 32064),
     _preset("mixtral-8x7b", 32, 4096, 14336, 32, 8, 128, 32000, experts=8, expert_width=14336),
     _preset("qwen3-30b-a3b", 48, 2048, 6144, 32, 4, 128, 151936, qk_norm=True, experts=128,
             expert_width=768),

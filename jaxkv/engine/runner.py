@@ -26,7 +26,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxkv.attention import check_page_size, kernel_for
+from jaxkv.attention import check_head_dim, check_page_size, kernel_for
 from jaxkv.config import EngineConfig, cdiv
 from jaxkv.engine import logprobs
 from jaxkv.engine import warmup as compile_ahead
@@ -103,6 +103,7 @@ class ModelRunner:
         try:
             self.kv_dtype = storage_dtype(cache.kv_cache_dtype, model.dtype)
             check_page_size(impl, page_size, self.kv_dtype)
+            check_head_dim(impl, model.config.head_dim)
         except ValueError as e:
             raise ValueError(f"Engine: {e}") from None
         g = pages_per_scale_row(page_size)

@@ -164,6 +164,8 @@ STEPS = [
     # the scanned layer's index), Gemma 2's attention soft cap, Gemma 3's q/k norms.
     ("v5e", aot_steps.StepCase("gemma-2-2b", "prefill", 1.0, 512, 16, 8192)),
     ("v6e", aot_steps.StepCase("gemma-3-1b", "decode", 1.0, 64, 64, 8192)),
+    # Phi-3.5-mini: head_dim 96 (the GPU kernels need a power of two), LongRoPE.
+    ("v5e", aot_steps.StepCase("phi-3.5-mini", "decode", 1.0, 64, 64, 8192)),
 ]
 
 

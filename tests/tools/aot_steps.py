@@ -66,6 +66,11 @@ ARCHITECTURES = {
     "gemma-3-1b": _gemma(3, 26, 512, rope_theta=1_000_000.0, local_rope_theta=10_000.0),
     "gemma-3-4b": _gemma(3, 34, 1024, rope_theta=1_000_000.0, local_rope_theta=10_000.0,
                          rope_scaling=RopeScaling(rope_type="linear", factor=8.0)),
+    # LongRoPE with 48 short and long factors (values stand in for the published ones)
+    "phi-3.5-mini": dict(model_type="phi3", sliding_window=262144, rope_scaling=RopeScaling(
+        "longrope", factor=32.0, original_max_position_embeddings=4096,
+        short_factor=(1.0,) * 48, long_factor=tuple(1.0 + i / 8 for i in range(48)),
+        attention_factor=1.19)),
     "mixtral-8x7b": dict(model_type="mixtral", num_experts_per_tok=2),
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", num_experts_per_tok=8),
 }
