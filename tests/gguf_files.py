@@ -38,6 +38,33 @@ _LAYER = {
 }
 
 
+# Gemma 2/3 (llama.cpp's names for the norms around each block; every norm stored as 1 + w)
+_SANDWICH = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+             "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+             "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+_ARCH = {"gemma3_text": "gemma3"}  # HF model_type -> llama.cpp architecture
+
+
+def _gemma_metadata(w, c, arch: str) -> None:
+    """What llama.cpp's converter writes for Gemma 2/3 beyond the Llama keys."""
+    if arch == "gemma":
+        return
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    if getattr(c, "attn_logit_softcapping", None):
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if getattr(c, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "gemma3":
+        rope = c.rope_parameters
+        w.add_float32(f"{arch}.rope.freq_base_swa", float(rope["sliding_attention"]["rope_theta"]))
+        full = rope["full_attention"]
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(full["factor"]))
+
+
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's q/k permutation (convert_hf_to_gguf.py's `permute`), written independently
     of jaxkv's inverse."""
@@ -80,7 +107,8 @@ def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
     replaces the model's own, written as given."""
     path = Path(path)
     c = hf_model.config
-    arch = architecture or c.model_type
+    arch = architecture or _ARCH.get(c.model_type, c.model_type)
+    gemma = arch in ("gemma", "gemma2", "gemma3")
     kinds = [Q[t] for t in ([tensor_type] if isinstance(tensor_type, str) else tensor_type)]
     kind = kinds[0]
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -97,7 +125,10 @@ def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
+    if gemma:
+        _gemma_metadata(w, c, arch)
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(1 if kind == Q.F16 else 0)
     if getattr(c, "sliding_window", None) and arch == "mistral":
@@ -118,9 +149,12 @@ def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
             gname = "output.weight"
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{layer}.{_LAYER[rest]}"
+            sandwich = arch in ("gemma2", "gemma3") and rest in _SANDWICH
+            gname = f"blk.{layer}.{(_SANDWICH if sandwich else _LAYER)[rest]}"
             if permute and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
                 array = llama_cpp_permute(array, heads if "q_proj" in rest else kv_heads)
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1  # llama.cpp stores Gemma's (1 + w) norms shifted
         if gname in (extra_tensors or {}):
             continue
         encoded = _encode(array, kinds[seed % len(kinds)], seed)

@@ -6,6 +6,7 @@ with its torch GGUF loader, which dequantizes and un-permutes independently of j
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shutil
 from pathlib import Path
@@ -61,6 +62,26 @@ def test_each_architecture_loads_as_transformers_loads_it(name, tmp_path):
     else:
         ref = hf_logits(transformers_gguf(path), IDS)
     np.testing.assert_allclose(dense_logits(model, IDS), ref, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+def test_gemma_files_load_as_their_source_model(name, tmp_path):
+    # llama.cpp's Gemma layout: norms stored as 1 + w, the block's four norms under their own
+    # names, soft caps, the window and the per-layer pattern as metadata, Gemma 3's two RoPE
+    # bases. A GGUF holds no query_pre_attn_scalar (llama.cpp takes head_dim below 27B), so
+    # the source model uses head_dim; the oracle is the HF model the file was written from.
+    # (llama.cpp itself reads these files to within 3e-3 of transformers:
+    # scripts/check_gguf_llama_cpp.py.)
+    hf = build_hf_model(name, **({} if name == "gemma" else dict(query_pre_attn_scalar=16)))
+    model = jaxkv.load_pretrained(write_gguf(hf, tmp_path / f"{name}.gguf"))
+    from_folder = jaxkv.load_pretrained(save_hf_model(hf, tmp_path / "hf"))
+    c = model.config  # GGUF stores eps as f32 and no bos/eos without a tokenizer
+    assert c.rms_norm_eps == pytest.approx(from_folder.config.rms_norm_eps, rel=1e-6)
+    assert c == dataclasses.replace(
+        from_folder.config, max_position_embeddings=c.max_position_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_ids=c.eos_token_ids, rms_norm_eps=c.rms_norm_eps)
+    np.testing.assert_allclose(dense_logits(model, IDS), hf_logits(hf, IDS), atol=LOGIT_ATOL,
+                               rtol=0)
 
 
 def test_every_supported_tensor_type_dequantizes_as_transformers(tmp_path):

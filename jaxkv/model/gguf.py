@@ -24,7 +24,12 @@ import numpy as np
 from jaxkv.errors import CheckpointError, UnsupportedModelError
 from jaxkv.model.config import ModelConfig, RopeScaling
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+_GEMMA = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}  # -> model_type
+# Gemma 2/3: llama.cpp's names of the four norms of a block (HF's names differ from Llama's)
+_SANDWICH_TENSORS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                     "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # Tensor types dequantized here (gguf.quants implements each of them in numpy).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -136,12 +141,44 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
-            sliding_window=int(window) if window and arch == "mistral" else None,
-            model_type=arch,
+            **{"sliding_window": int(window) if window and arch == "mistral" else None,
+               "model_type": arch,
+               **(self._gemma(arch, heads, hidden, head_dim) if arch in _GEMMA else {})},
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         )
         return dataclasses.replace(config, rope_scaling=self._rope_scaling(arch, config))
+
+    def _gemma(self, arch: str, heads: int, hidden: int, head_dim: int) -> dict:
+        """Gemma's options, as llama.cpp reads them: softcaps and the window from metadata;
+        the local/global pattern from ``attention.sliding_window_pattern`` (a period, or a
+        flag per layer) or else llama.cpp's default (Gemma 2: every other layer, Gemma 3: 5
+        local : 1 global); the local RoPE base from ``rope.freq_base_swa`` or 10,000; the query
+        scale 1/sqrt(head_dim), except for the 27B models (46 and 62 layers), where llama.cpp
+        uses hidden / heads as their configs' query_pre_attn_scalar does."""
+        out = dict(model_type=_GEMMA[arch], hidden_act="gelu_tanh", gemma_norm=True,
+                   scale_embeddings=True)
+        if arch == "gemma":
+            return out
+        layers = int(self.field(f"{arch}.block_count"))
+        pattern = self.field(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, (list, tuple)):
+            sliding = [bool(p) for p in pattern]
+        else:
+            period = int(pattern or (2 if arch == "gemma2" else 6))
+            sliding = [bool((i + 1) % period) for i in range(layers)]
+        big = (arch, layers) in (("gemma2", 46), ("gemma3", 62))
+        window = self.field(f"{arch}.attention.sliding_window")
+        out.update(sandwich_norm=True,
+                   layer_types=tuple("sliding_attention" if s else "full_attention"
+                                     for s in sliding),
+                   sliding_window=int(window) if window else None,
+                   query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+                   attn_softcap=self.field(f"{arch}.attn_logit_softcapping"),
+                   final_softcap=self.field(f"{arch}.final_logit_softcapping"))
+        if arch == "gemma3":
+            out["local_rope_theta"] = float(self.field(f"{arch}.rope.freq_base_swa", 10000.0))
+        return out
 
     def _rope_scaling(self, arch: str, config: ModelConfig) -> RopeScaling | None:
         kind = self.field(f"{arch}.rope.scaling.type")
@@ -237,14 +274,21 @@ class GGUFCheckpoint:
                 quantized = self.tensors[name].tensor_type.name not in ("F32", "F16", "BF16")
                 if keep_blocks and quantized and name != "output_norm.weight":
                     yield _GLOBAL_TENSORS[name], lambda name=name: self._kept(name, None)
+                elif c.gemma_norm and name == "output_norm.weight":  # stored as 1 + w
+                    yield _GLOBAL_TENSORS[name], lambda name=name: self._array(name) - np.float32(1)
                 else:
                     yield _GLOBAL_TENSORS[name], lambda name=name: self._array(name)
                 continue
             m = _BLOCK.fullmatch(name)
-            if m is None or m.group(2) not in _LAYER_TENSORS:
+            names = {**_LAYER_TENSORS, **_SANDWICH_TENSORS} if c.sandwich_norm else \
+                _LAYER_TENSORS
+            if m is None or m.group(2) not in names:
                 yield name, lambda name=name: self._array(name)
                 continue
-            key = f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+            key = f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+            if c.gemma_norm and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
+                yield key, lambda name=name: self._array(name) - np.float32(1)
+                continue
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(
                 m.group(2).split(".")[0]) if permuted else None
             if keep_blocks and key.endswith("_proj.weight"):

@@ -1,0 +1,40 @@
+"""Cross-check of the Gemma GGUF layout against llama.cpp itself (needs `llama-cpp-python`,
+which `make test` does not install): tiny random Gemma 2 and Gemma 3 models are written as GGUF
+by the tests' writer (tests/gguf_files.py), then read by llama.cpp and by jaxkv; both sets of
+logits are compared with transformers' on the source model.
+
+    .venv/bin/pip install llama-cpp-python && .venv/bin/python scripts/check_gguf_llama_cpp.py
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import llama_cpp  # noqa: E402
+from gguf_files import write_gguf  # noqa: E402
+from hf_models import build_hf_model, dense_logits, hf_logits  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv.model.pretrained import DEFAULT_MODEL_DIR  # noqa: E402
+
+IDS = np.random.default_rng(1).integers(3, 4096, size=40).tolist()
+
+print(f"{'model':<8} {'llama.cpp - transformers':>25} {'jaxkv - transformers':>21} "
+      f"{'max |logit|':>12}")
+for name in ("gemma2", "gemma3"):
+    # tied head and head_dim query scale, as real Gemma files are; the embedded tokenizer's
+    # 4096-token vocabulary (llama.cpp needs one)
+    hf = build_hf_model(name, query_pre_attn_scalar=16, vocab_size=4096,
+                        tie_word_embeddings=True)
+    path = write_gguf(hf, Path(tempfile.mkdtemp()) / f"{name}.gguf", tokenizer=DEFAULT_MODEL_DIR)
+    llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(IDS)
+    theirs = np.asarray(llm.scores[:len(IDS)])
+    ref = hf_logits(hf, IDS)
+    ours = dense_logits(jaxkv.load_pretrained(path), IDS)
+    print(f"{name:<8} {np.abs(theirs - ref).max():>25.2e} {np.abs(ours - ref).max():>21.2e} "
+          f"{np.abs(ref).max():>12.2f}")
