@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxkv.model.moe import grouped_matmul, grouped_matmul_tiles, route
+from jaxkv.model.moe import grouped_matmul, grouped_matmul_tiles, moe_mlp, route
 
 
 def _reference(rows, w, sizes):
@@ -91,3 +91,23 @@ def test_bench_moe_runs_and_checks_both_paths(capsys):
     assert main(["moe", "--shape", "tiny", "--tokens", "1", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "ragged / tiles" in out and "reproduce: jaxkv bench moe --shape tiny" in out
+
+
+@pytest.mark.parametrize("weights_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_moe_mlp_tracks_float32(weights_dtype):
+    # bf16 tokens with float32 routing weights (Mixtral) or bf16 ones (Qwen3-MoE): the result
+    # stays within bf16 rounding of the float32 computation.
+    rng = np.random.default_rng(4)
+    p = {"router": rng.standard_normal((16, 4)), "experts_gate": rng.standard_normal((4, 16, 8)),
+         "experts_up": rng.standard_normal((4, 16, 8)),
+         "experts_down": rng.standard_normal((4, 8, 16))}
+    x = rng.standard_normal((6, 16))
+
+    def run(dtype, wdtype):
+        params = {k: jnp.asarray(v, dtype) for k, v in p.items()}
+        return moe_mlp(jnp.asarray(x, dtype), params, k=2, normalize=True,
+                       activation=jax.nn.silu, platform="cpu", weights_dtype=wdtype)
+
+    exact = np.asarray(run(jnp.float32, jnp.float32))
+    got = np.asarray(run(jnp.bfloat16, weights_dtype), np.float32)
+    np.testing.assert_allclose(got, exact, atol=0.1 * np.abs(exact).max(), rtol=0)

@@ -127,6 +127,6 @@ def moe_mlp(x, p: dict, *, k: int, normalize: bool, activation, platform: str, m
         mlp = jax.shard_map(mlp, mesh=mesh, in_specs=(P(), P(), gate, gate, down),
                             out_specs=P(), check_vma=False)
     h = mlp(rows, sizes, p["experts_gate"], p["experts_up"], p["experts_down"])
-    w = weights.reshape(-1)[order][:, None]  # HF: rows * weights in their dtypes' promotion
-    h = (h.astype(jnp.promote_types(x.dtype, w.dtype)) * w).astype(x.dtype)
+    w = weights.reshape(-1)[order][:, None]  # HF: rows times weights in the weights' dtype
+    h = (h.astype(w.dtype) * w).astype(x.dtype)  # (float32 for Mixtral, as its promotion)
     return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(h)
