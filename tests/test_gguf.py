@@ -71,7 +71,7 @@ def test_gemma_files_load_as_their_source_model(name, tmp_path):
     # bases. A GGUF holds no query_pre_attn_scalar (llama.cpp takes head_dim below 27B), so
     # the source model uses head_dim; the oracle is the HF model the file was written from.
     # (llama.cpp itself reads these files to within 3e-3 of transformers:
-    # scripts/check_gguf_llama_cpp.py.)
+    # tests/tools/gguf_llama_cpp.py.)
     hf = build_hf_model(name, **({} if name == "gemma" else dict(query_pre_attn_scalar=16)))
     model = jaxkv.load_pretrained(write_gguf(hf, tmp_path / f"{name}.gguf"))
     from_folder = jaxkv.load_pretrained(save_hf_model(hf, tmp_path / "hf"))

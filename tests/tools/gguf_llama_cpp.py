@@ -3,23 +3,20 @@ which `make test` does not install): tiny random Gemma 2 and Gemma 3 models are 
 by the tests' writer (tests/gguf_files.py), then read by llama.cpp and by jaxkv; both sets of
 logits are compared with transformers' on the source model.
 
-    .venv/bin/pip install llama-cpp-python && .venv/bin/python scripts/check_gguf_llama_cpp.py
+    .venv/bin/pip install llama-cpp-python
+    PYTHONPATH=tests .venv/bin/python -m tools.gguf_llama_cpp
 """
 
-import sys
 import tempfile
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
+from gguf_files import write_gguf
+from hf_models import build_hf_model, dense_logits, hf_logits
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import llama_cpp  # noqa: E402
-from gguf_files import write_gguf  # noqa: E402
-from hf_models import build_hf_model, dense_logits, hf_logits  # noqa: E402
-
-import jaxkv  # noqa: E402
-from jaxkv.model.pretrained import DEFAULT_MODEL_DIR  # noqa: E402
+import jaxkv
+from jaxkv.model.pretrained import DEFAULT_MODEL_DIR
 
 IDS = np.random.default_rng(1).integers(3, 4096, size=40).tolist()
 
