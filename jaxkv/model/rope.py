@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -49,9 +50,7 @@ def rope_tables(config: ModelConfig, positions_t, *, local: bool = False):
     cos, sin = rope_cos_sin(positions_t, inverse_frequencies(config, local=local))
     if rs is None or rs.rope_type != "longrope":
         return cos, sin
-    d = config.head_dim
-    base = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32)
-                                        / d))
+    base = inverse_frequencies(dataclasses.replace(config, rope_scaling=None))
     long_cos, long_sin = rope_cos_sin(positions_t, (base / np.asarray(
         rs.long_factor, np.float32)).astype(np.float32))
     far = (positions_t >= rs.original_max_position_embeddings)[:, None]

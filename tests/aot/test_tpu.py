@@ -146,6 +146,19 @@ def test_quant_matmul_reads_the_weight_as_integers(chip, case, table):
     assert r.temp_bytes <= case.x_bytes() + MiB and r.largest_copy() <= case.x_bytes()
     assert not [c for c in r.copies if c.shape.startswith(("s8[", "u8["))], r.copies
 
+def _compile_step(chip, case, table, per: int | None = None):
+    """(compile report, abstract state, pool bytes) of one real jaxkv step for ``chip``, its
+    row added to the steps table (temporaries per ``per`` bytes, default the pool's)."""
+    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
+    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
+    pool = aot_steps.pool_bytes(state)
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
+           f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / (per or pool):.4f}",
+           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    return r, state, pool
+
+
 STEPS = [
     # head_dim 64 (Llama-3.2-1B shape) and head_dim 128 (Llama-3.2-3B), 1 GiB of bf16 KV.
     ("v5e", aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096)),
@@ -174,13 +187,7 @@ STEPS = [
 def test_engine_step_updates_the_pool_in_place(chip, case, table):
     """The real jitted step (scanned layers, bf16, the TPU kernel): the donated pool is
     aliased to the output and XLA makes no copy of it (temporaries < 10% of the pool)."""
-    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
-    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
-    pool = aot_steps.pool_bytes(state)
-    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
-          [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
-           f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
-           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    r, state, pool = _compile_step(chip, case, table)
     # one Mosaic kernel in the layer scan (per distinct window: Gemma), not the reference
     assert len(r.vmem_bytes) == aot_steps.attention_kernels(case.model)
     # The step samples on device: its [B, V] f32 temporaries (logits, scaled, exp, masks;
@@ -214,13 +221,7 @@ def _expert_slice_bytes(case) -> int:
 def test_moe_step_reads_expert_weights_in_place(chip, case, table):
     """A MoE step: the pool updated in place, and no temporary the size of one layer's expert
     weights (ragged_dot reads each unrolled layer's experts where they are)."""
-    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
-    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
-    pool = aot_steps.pool_bytes(state)
-    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
-          [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
-           f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
-           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    r, state, pool = _compile_step(chip, case, table)
     sampler = 12 * case.rows * aot_steps.config_of(case.model).vocab_size * 4
     assert r.alias_bytes >= pool
     assert r.temp_bytes < 0.1 * pool + sampler
@@ -233,13 +234,7 @@ def test_scanned_moe_layers_copy_their_experts(table):
     size of the layer's gate and up experts. This test fails once the scan stops copying: then
     scan MoE layers too."""
     case = aot_steps.StepCase("qwen3-30b-a3b:4", "decode", 1.0, 64, 64, 8192, scan=True)
-    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
-    r = aot_tpu.compile_for("v6e", step, *aot_tpu.on_chip("v6e", (params, state, *inputs)))
-    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
-          ["v6e", case.name + f" W={case.max_model_len // case.page_size}",
-           aot_steps.pool_bytes(state) // MiB, f"{r.temp_bytes / MiB:.1f}",
-           f"{r.temp_bytes / aot_steps.pool_bytes(state):.4f}",
-           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    r, _, _ = _compile_step("v6e", case, table)
     assert r.temp_bytes >= 2 * _expert_slice_bytes(case)
 
 
@@ -262,13 +257,7 @@ QUANT_STEPS = [
 def test_quantized_engine_step_reads_integer_weights(chip, case, table):
     """The real step with quantized weights: one Mosaic kernel per linear (and the attention
     kernel), no copy of a packed weight, the pool still updated in place."""
-    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
-    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
-    pool = aot_steps.pool_bytes(state)
-    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
-          [chip, case.name + f" W={case.max_model_len // case.page_size}", pool // MiB,
-           f"{r.temp_bytes / MiB:.1f}", f"{r.temp_bytes / pool:.4f}",
-           f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    r, state, pool = _compile_step(chip, case, table)
     tied = aot_steps.config_of(case.model).tie_word_embeddings
     assert len(r.vmem_bytes) == 1 + 7 + (0 if tied else 1)
     assert r.alias_bytes >= pool
@@ -290,14 +279,8 @@ def test_int8_step_on_tpu_copies_the_pool_to_write_it(table):
     the write stops copying: then move the case to STEPS."""
     case = aot_steps.StepCase("llama-3.2-3b", "prefill", 1.0, 512, 16, 4096, page_size=64,
                               kv_cache_dtype="int8")
-    step, params, state, *inputs = aot_steps.step_inputs(case, "pallas-tpu")
-    r = aot_tpu.compile_for("v5e", step, *aot_tpu.on_chip("v5e", (params, state, *inputs)))
-    pages = state.kv_pages.size  # int8: one byte each
-    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
-          ["v5e", case.name + f" W={case.max_model_len // case.page_size}",
-           aot_steps.pool_bytes(state) // MiB, f"{r.temp_bytes / MiB:.1f}",
-           f"{r.temp_bytes / pages:.4f}", f"{r.largest_copy() / MiB:.1f}",
-           r.alias_bytes // MiB, f"{r.seconds:.1f}"])
+    pages = aot_steps.state_of(case).kv_pages.size  # int8: one byte each
+    r, state, _ = _compile_step("v5e", case, table, per=pages)
     assert len(r.vmem_bytes) == 1  # the quantized kernel, not the reference
     assert r.alias_bytes >= pages
     pool_copies = [c for c in r.copies if c.shape.startswith("s8[") and c.nbytes == pages]
