@@ -64,6 +64,13 @@ class CacheConfig:
     copies them back instead of recomputing them (0: no host tier)."""
     debug_nan_freed_pages: bool = False
     """Fill every freed page with NaN before the next step (a read of a stale page shows)."""
+    window_kv: bool = True
+    """Local (sliding-window) layers keep only the KV their window can still read, in a pool
+    of their own (Gemma 2/3, Mistral; with unrolled layers and no host tier); off: every layer
+    keeps every token."""
+    num_window_slots: int | None = None
+    """Page slots of the local layers' pool with window_kv (default: what max_num_seqs
+    windows need, plus the memory num_pages leaves)."""
 
     def __post_init__(self):
         name = type(self).__name__
@@ -74,6 +81,9 @@ class CacheConfig:
         if not isinstance(f, numbers.Real) or isinstance(f, bool) or not 0 < f <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
         _one_of(name, "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _positive(name, "num_window_slots", self.num_window_slots, optional=True)
+        if not isinstance(self.window_kv, bool):
+            raise ValueError(f"{name}.window_kv must be a bool, got {self.window_kv!r}")
         h = self.host_kv_cache_bytes
         if not isinstance(h, numbers.Integral) or isinstance(h, bool) or h < 0:
             raise ValueError(f"{name}.host_kv_cache_bytes must be an int >= 0, got {h!r}")
@@ -318,6 +328,10 @@ class KVPoolPlan:
     bytes_per_token: int  # per replica: kv heads replicated for tensor parallelism count
     max_model_len: int
     source: str  # what sized it: num_pages, kv_cache_memory_bytes, device memory, host RAM
+    # Window-only KV: the local layers' slots (0: none, every layer in the pages above; with
+    # it, bytes_per_token counts the full-attention layers only) and the bytes of one slot.
+    window_slots: int = 0
+    window_slot_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -325,7 +339,9 @@ class KVPoolPlan:
 
     @property
     def bytes(self) -> int:
-        return self.tokens * self.bytes_per_token
+        """Both pools (the local layers' with its zero slot)."""
+        window = (self.window_slots + 1) * self.window_slot_bytes if self.window_slots else 0
+        return self.tokens * self.bytes_per_token + window
 
     @property
     def full_sequences(self) -> int:

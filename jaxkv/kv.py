@@ -11,11 +11,18 @@ channels over the whole head before the per-token scale is taken; attention over
 `rotate_queries` (``(q R) . (k R) = q . k``). R depends on head_dim alone, so the pages mean the
 same under any weights (`update_params`) and in any process that reads them.
 
+With window-only KV (`jaxkv.cache.window`) the local (sliding-window) layers keep their pages in
+a pool of their own, ``window_pages`` [L_local, K, Q + 1, S, 2D]: Q slots, far fewer than P,
+and a last zero slot that table entries no query reads point at. ``kv_pages`` then holds the
+full-attention layers only (`pool_layers` says which layer is where).
+
 The host decides *which* pages a slot owns; the device holds *what* is in them. Transitions are
 pure (`state.replace(...)`) and jitted with the state donated, so XLA updates pages in place.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import chex
 import jax
@@ -58,6 +65,8 @@ class PagedKVState:
 
     kv_pages: jax.Array  # [L, K, P, S, 2D]  keys in [..., :D], values in [..., D:]
     kv_scales: jax.Array | None = None  # i32[L, K, P / G, G * S]  quantized pages only
+    window_pages: jax.Array | None = None  # [L_local, K, Q + 1, S, 2D]  window-only KV
+    window_scales: jax.Array | None = None  # its scales, like kv_scales
 
     def __post_init__(self):
         # jax rebuilds pytrees with placeholder leaves (tracing, vmap axes); check real arrays only.
@@ -66,26 +75,25 @@ class PagedKVState:
 
     def validate(self) -> None:
         """Raises KVStateError naming the field if its rank or last axis is wrong."""
-        kv, sc = self.kv_pages, self.kv_scales
-        if is_quantized(kv.dtype) != (sc is not None):
-            raise KVStateError(f"PagedKVState.kv_scales: {kv.dtype} pages "
-                               + ("need scales" if sc is None else "take no scales"))
-        if sc is not None and (tuple(sc.shape) != scale_rows_shape(kv.shape)
-                               or sc.dtype != SCALE_DTYPE):
-            raise KVStateError(f"PagedKVState.kv_scales: expected i32"
-                               f"{list(scale_rows_shape(kv.shape))}, got {sc.dtype}"
-                               f"{list(sc.shape)}")
-        if len(kv.shape) == 5 and kv.shape[4] % 2 == 0:  # the per-step fast path
-            return
-        _check("kv_pages", chex.assert_rank, kv, 5)
-        raise KVStateError(f"PagedKVState.kv_pages: last dim must be 2 * head_dim (keys, "
-                           f"then values), got {kv.shape[4]}")
+        _validate_pool("kv", self.kv_pages, self.kv_scales)
+        if self.window_pages is not None:
+            _validate_pool("window", self.window_pages, self.window_scales)
+            if self.window_pages.dtype != self.kv_pages.dtype:
+                raise KVStateError(f"PagedKVState.window_pages: dtype {self.window_pages.dtype}"
+                                   f" differs from kv_pages' {self.kv_pages.dtype}")
+        elif self.window_scales is not None:
+            raise KVStateError("PagedKVState.window_scales: given without window_pages")
 
     def validate_for(self, config: ModelConfig) -> None:
         """Checks that this state can hold the KV of `config`'s model."""
-        want = (config.num_layers, config.num_kv_heads, self.num_pages, self.page_size,
-                2 * config.head_dim)
+        layers = pool_layers(config, self.windowed)
+        full = sum(pool == "kv" for pool, _ in layers)
+        want = (full, config.num_kv_heads, self.num_pages, self.page_size, 2 * config.head_dim)
         _check("kv_pages", chex.assert_shape, self.kv_pages, want)
+        if self.windowed:
+            want = (len(layers) - full, config.num_kv_heads, self.window_pages.shape[2],
+                    self.page_size, 2 * config.head_dim)
+            _check("window_pages", chex.assert_shape, self.window_pages, want)
 
     num_layers = property(lambda self: self.kv_pages.shape[0])
     num_kv_heads = property(lambda self: self.kv_pages.shape[1])
@@ -93,6 +101,36 @@ class PagedKVState:
     page_size = property(lambda self: self.kv_pages.shape[3])
     head_dim = property(lambda self: self.kv_pages.shape[4] // 2)
     quantized = property(lambda self: self.kv_scales is not None)
+    windowed = property(lambda self: self.window_pages is not None)
+
+
+def _validate_pool(name: str, kv, sc) -> None:
+    """Raises KVStateError if the pool ``name`` (kv, window) has a wrong rank, last axis or
+    scales."""
+    if is_quantized(kv.dtype) != (sc is not None):
+        raise KVStateError(f"PagedKVState.{name}_scales: {kv.dtype} pages "
+                           + ("need scales" if sc is None else "take no scales"))
+    if sc is not None and (tuple(sc.shape) != scale_rows_shape(kv.shape)
+                           or sc.dtype != SCALE_DTYPE):
+        raise KVStateError(f"PagedKVState.{name}_scales: expected i32"
+                           f"{list(scale_rows_shape(kv.shape))}, got {sc.dtype}"
+                           f"{list(sc.shape)}")
+    if len(kv.shape) == 5 and kv.shape[4] % 2 == 0:  # the per-step fast path
+        return
+    _check(f"{name}_pages", chex.assert_rank, kv, 5)
+    raise KVStateError(f"PagedKVState.{name}_pages: last dim must be 2 * head_dim (keys, "
+                       f"then values), got {kv.shape[4]}")
+
+
+def pool_layers(config: ModelConfig, windowed: bool) -> tuple[tuple[str, int], ...]:
+    """Where each layer's KV lives: ("kv", i) is layer i of ``kv_pages``, ("window", i) of
+    ``window_pages`` (window-only KV: the local layers, in order)."""
+    out, counts = [], {"kv": 0, "window": 0}
+    for layer in range(config.num_layers):
+        pool = "window" if windowed and config.is_sliding(layer) else "kv"
+        out.append((pool, counts[pool]))
+        counts[pool] += 1
+    return tuple(out)
 
 
 def kv_spec(config: ModelConfig, dtype) -> KVSpec:
@@ -102,24 +140,50 @@ def kv_spec(config: ModelConfig, dtype) -> KVSpec:
                   jnp.dtype(dtype).itemsize, scale)
 
 
+def kv_specs(config: ModelConfig, dtype, windowed: bool) -> tuple[KVSpec, KVSpec]:
+    """(full-attention layers, local layers) KV specs in pages of ``dtype``: with window-only
+    KV the local layers are a pool of their own; without, the first holds every layer."""
+    full = sum(pool == "kv" for pool, _ in pool_layers(config, windowed))
+    spec = kv_spec(config, dtype)
+    return (dataclasses.replace(spec, num_layers=full),
+            dataclasses.replace(spec, num_layers=config.num_layers - full))
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
     """Bytes of KV one token takes in pages of ``dtype``, scales included (all layers)."""
     return kv_spec(config, dtype).bytes_per_token
 
 
 def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
-               kv_cache_dtype: str = "auto") -> PagedKVState:
+               kv_cache_dtype: str = "auto", window_slots: int | None = None) -> PagedKVState:
     """An empty state: zeroed pages (and scales) for a model computing in ``dtype``, stored as
-    ``kv_cache_dtype`` ("auto": ``dtype``; "int8"; "fp8_e4m3")."""
-    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+    ``kv_cache_dtype`` ("auto": ``dtype``; "int8"; "fp8_e4m3"). ``window_slots``: window-only
+    KV, the local layers in a pool of that many slots (plus the zero one)."""
+    checks = [("num_pages", num_pages), ("page_size", page_size)]
+    if window_slots is not None:
+        checks.append(("window_slots", window_slots))
+        if not any(config.is_sliding(i) for i in range(config.num_layers)):
+            raise ValueError("init_state: window_slots is given, but the model has no local "
+                             "(sliding-window) layers")
+    for name, value in checks:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"init_state: {name} must be a positive int, got {value!r}")
     if page_size & (page_size - 1):
         raise ValueError(f"init_state: page_size must be a power of two, got {page_size}")
-    shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, 2 * config.head_dim)
     stored = storage_dtype(kv_cache_dtype, dtype)
-    scales = jnp.zeros(scale_rows_shape(shape), SCALE_DTYPE) if is_quantized(stored) else None
-    return PagedKVState(kv_pages=jnp.zeros(shape, stored), kv_scales=scales)
+    layers = pool_layers(config, window_slots is not None)
+
+    def pool(name, pages):
+        n = sum(p == name for p, _ in layers)
+        shape = (n, config.num_kv_heads, pages, page_size, 2 * config.head_dim)
+        scales = jnp.zeros(scale_rows_shape(shape), SCALE_DTYPE) if is_quantized(stored) \
+            else None
+        return jnp.zeros(shape, stored), scales
+
+    kv_pages, kv_scales = pool("kv", num_pages)
+    window = pool("window", window_slots + 1) if window_slots is not None else (None, None)
+    return PagedKVState(kv_pages=kv_pages, kv_scales=kv_scales, window_pages=window[0],
+                        window_scales=window[1])
 
 
 def write_kv(kv_pages, layer, k_tkd, v_tkd, page_t, offset_t, kv_scales=None):

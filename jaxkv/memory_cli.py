@@ -72,6 +72,12 @@ def run_memory(args: argparse.Namespace) -> int:
     print(f"KV per token ({kv_dtype}{scales}): {per_token:,} bytes")
     print(f"KV for {args.context:,} tokens x {args.batch} seq: {total:,} bytes = "
           f"{memory.format_bytes(total)}")
+    if shape.sliding_window and shape.local_layers:
+        kept = memory.window_kv_bytes(shape, args.context, kv_dtype, args.page_size) * args.batch
+        print(f"with window-only KV ({shape.local_layers} of {shape.num_layers} layers keep "
+              f"their {shape.sliding_window:,}-token window): {kept:,} bytes = "
+              f"{memory.format_bytes(kept)}, {kept / max(1, args.batch * args.context):,.0f} "
+              f"per token ({kept / max(1, total):.1%} of keeping every token)")
     print(f"weights ({args.dtype}): {weights:,} bytes = {memory.format_bytes(weights)}")
     if plan is not None:
         print()

@@ -145,11 +145,13 @@ def param_shardings(params, mesh: Mesh, expert_parallel: bool = False):
                                                        expert_parallel)), params)
 
 
-def kv_sharding(mesh: Mesh, quantized: bool = False) -> PagedKVState:
-    """Shardings of a PagedKVState: pages (and their scales) by kv head."""
+def kv_sharding(mesh: Mesh, quantized: bool = False, windowed: bool = False) -> PagedKVState:
+    """Shardings of a PagedKVState: pages (and their scales) by kv head, in both pools."""
+    pages = NamedSharding(mesh, P(None, TP, None, None, None))
     scales = NamedSharding(mesh, P(None, TP, None, None)) if quantized else None
-    return PagedKVState(kv_pages=NamedSharding(mesh, P(None, TP, None, None, None)),
-                        kv_scales=scales)
+    return PagedKVState(kv_pages=pages, kv_scales=scales,
+                        window_pages=pages if windowed else None,
+                        window_scales=scales if windowed else None)
 
 
 def shard(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> Model:
@@ -199,7 +201,7 @@ def place_params(params, like, config: ModelConfig):
 
 def shard_state(state: PagedKVState, mesh: Mesh) -> PagedKVState:
     """Places a KV state on ``mesh``: each device holds its kv heads' pages and scales."""
-    return jax.device_put(state, kv_sharding(mesh, state.quantized))
+    return jax.device_put(state, kv_sharding(mesh, state.quantized, state.windowed))
 
 
 def sharded_attention(attend, mesh: Mesh):

@@ -132,12 +132,12 @@ class FaultPoints:
     def _state_call(self, runner, method, point: str):
         """A runner method that replaces ``runner.state`` by a donated program's output
         (it makes no device call for an empty list)."""
-        def run(items):
+        def run(items, *rest):
             if not items:
-                return method(items)
+                return method(items, *rest)
             mode = self.hit(point)
             if mode is None or mode == "late":
-                method(items)
+                method(items, *rest)
                 if mode == "late":
                     _delete(runner.state)
                 return None

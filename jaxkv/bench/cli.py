@@ -23,6 +23,7 @@ COMMANDS = {
     "soak": "soak",
     "quant": "quant",
     "moe": "moe",
+    "window-kv": "window_kv",
     "kv-accuracy": "kv_accuracy",
     "kv-capacity": "kv_capacity",
     "host-tier": "host_tier",

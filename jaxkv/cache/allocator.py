@@ -6,7 +6,7 @@ Plain Python (no jax): the host owns the page bookkeeping; the device only holds
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class OutOfPagesError(RuntimeError):
@@ -17,6 +17,9 @@ class PageAllocator:
     """A free list plus a refcount per page. A page is free xor referenced."""
 
     def __init__(self, num_pages: int, *, track_freed: bool = False):
+        # Called with each page whose last holder let go (`jaxkv.cache.window` frees the
+        # page's local-layer slot with it).
+        self.on_free: Callable[[int], None] | None = None
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"PageAllocator: num_pages must be a positive int, got {num_pages!r}")
         self.num_pages = num_pages
@@ -69,6 +72,8 @@ class PageAllocator:
             self._refs[p] -= n
             if self._refs[p] == 0:
                 self._free.append(p)
+                if self.on_free is not None:
+                    self.on_free(p)
                 if self._freed is not None:
                     self._freed.append(p)
 

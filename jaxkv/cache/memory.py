@@ -56,6 +56,8 @@ class ModelShape:
     num_experts: int = 0  # a mixture of experts (Mixtral, Qwen3-MoE)
     moe_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense MLP
+    sliding_window: int | None = None  # local layers' window (Gemma 2/3)
+    local_layers: int = 0  # layers that attend only within the window
 
     def num_params(self) -> int:
         """Parameter count (the model's own formula, `jaxkv.model.config.count_params`)."""
@@ -64,8 +66,10 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, name: str) -> ModelShape:
         """The shape of a `jaxkv.ModelConfig` (a loaded model's)."""
-        return cls(name, **{f.name: getattr(config, f.name)
-                            for f in dataclasses.fields(cls) if f.name != "name"})
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in ("name", "local_layers")}
+        local = sum(config.is_sliding(i) for i in range(config.num_layers))
+        return cls(name, **fields, local_layers=local)
 
     @classmethod
     def from_hf_config(cls, path_or_dict, name: str | None = None) -> ModelShape:
@@ -92,13 +96,21 @@ class ModelShape:
                 raise ValueError(f"missing required key {key!r} in {source}")
             return default if value is None else value
 
-        return cls(name=name or str(default_name), **read_dims(get))
+        dims = read_dims(get)
+        # Local layers as `layer_types` lists them (Gemma 2 before it: every other layer)
+        types = get("layer_types", None) or (
+            ["sliding_attention", "full_attention"] * dims["num_layers"]
+            if get("model_type", None) == "gemma2" else [])
+        local = sum(t == "sliding_attention" for t in types[:dims["num_layers"]])
+        window = get("sliding_window", None) if local else None
+        return cls(name=name or str(default_name), **dims, sliding_window=window,
+                   local_layers=local if window else 0)
 
 
 def _preset(name, L, E, F, H, K, D, V, tied=False, bias=False, qk_norm=False,
-            sandwich=False, experts=0, expert_width=0) -> ModelShape:
+            sandwich=False, experts=0, expert_width=0, window=None, local=0) -> ModelShape:
     return ModelShape(name, L, E, F, H, K, D, V, tied, bias, qk_norm, sandwich, experts,
-                      expert_width)
+                      expert_width, sliding_window=window, local_layers=local)
 
 
 # Values copied from the published config.json files.
@@ -112,11 +124,13 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     _preset("llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256),
     _preset("mistral-7b", 32, 4096, 14336, 32, 8, 128, 32000),
     _preset("qwen2.5-7b", 28, 3584, 18944, 28, 4, 128, 152064, bias=True),
-    _preset("gemma-2-2b", 26, 2304, 9216, 8, 4, 256, 256000, tied=True, sandwich=True),
+    # Gemma 2: every other layer local (window 4096); Gemma 3: 5 local to 1 global
+    _preset("gemma-2-2b", 26, 2304, 9216, 8, 4, 256, 256000, tied=True, sandwich=True,
+            window=4096, local=13),
     _preset("gemma-3-1b", 26, 1152, 6912, 4, 1, 256, 262144, tied=True, qk_norm=True,
-            sandwich=True),
+            sandwich=True, window=512, local=22),
     _preset("gemma-3-4b", 34, 2560, 10240, 8, 4, 256, 262208, tied=True, qk_norm=True,
-            sandwich=True),
+            sandwich=True, window=1024, local=29),
     _preset("phi-3.5-mini", 32, 3072, 8192, 32, 32, 96, 32064),
     _preset("mixtral-8x7b", 32, 4096, 14336, 32, 8, 128, 32000, experts=8, expert_width=14336),
     _preset("qwen3-30b-a3b", 48, 2048, 6144, 32, 4, 128, 151936, qk_norm=True, experts=128,
@@ -155,6 +169,19 @@ def kv_bytes(shape: ModelShape, num_tokens: int, batch: int = 1, dtype: str = "b
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")
     return kv_bytes_per_token(shape, dtype) * num_tokens * batch
+
+
+def window_kv_bytes(shape: ModelShape, context: int, dtype: str = "bfloat16",
+                    page_size: int = 16) -> int:
+    """KV bytes of one sequence of ``context`` tokens with window-only KV
+    (`jaxkv.cache.window`): full-attention layers keep every token, local layers the pages
+    their window spans (``cdiv(window - 1, page_size) + 1``); `kv_bytes` without a window."""
+    per_layer = kv_bytes_per_token(shape, dtype) // shape.num_layers
+    if not shape.sliding_window or not shape.local_layers:
+        return per_layer * shape.num_layers * context
+    kept = min(context, (cdiv(shape.sliding_window - 1, page_size) + 1) * page_size)
+    full = shape.num_layers - shape.local_layers
+    return per_layer * (full * context + shape.local_layers * kept)
 
 
 def weight_bytes(shape: ModelShape, dtype: str = "bfloat16") -> int:

@@ -27,12 +27,14 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.host_radix import HostTieredRadixCache
 from jaxkv.cache.prefix import NullPrefixCache
 from jaxkv.cache.radix import RadixCache
+from jaxkv.cache.window import WindowSlots
 from jaxkv.config import EngineConfig, field_sections, unknown_setting
 from jaxkv.engine import intake, launch, weights
 from jaxkv.engine.client import Dispatched
 from jaxkv.engine.connector import SchedulerConnector
 from jaxkv.engine.host_tier import tier_stats
 from jaxkv.engine.outputs import RequestEntry, build_output
+from jaxkv.engine.pool_plan import window_slots, window_stats
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.engine.runner import LoopRun, ModelRunner
 from jaxkv.engine.scheduler import Scheduler
@@ -90,8 +92,12 @@ class Engine:
         # update_params checks new weights against the model as given (unsharded):
         self._source_config, self._param_specs = model.config, weights.param_specs(model.params)
         self.config, self.mesh = cfg, mesh
+        slots = window_slots(model, cfg, cache.num_pages, max_model_len)
+        # Window-only KV: the local layers' slots (None: every layer keeps every page).
+        self.window = None if slots is None else \
+            WindowSlots(slots, model.config.sliding_window, cache.page_size)
         self.runner = ModelRunner(model, cfg, num_pages=cache.num_pages,
-                                  max_model_len=max_model_len, mesh=mesh)
+                                  max_model_len=max_model_len, mesh=mesh, window=self.window)
         self.page_size, self.num_pages = cache.page_size, cache.num_pages
         self.kv_cache_dtype, self.max_model_len = cache.kv_cache_dtype, max_model_len
         self.max_num_seqs, self.seed = sched.max_num_seqs, cfg.runtime.seed
@@ -110,7 +116,8 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=cache.page_size,
                                    max_num_seqs=sched.max_num_seqs,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
-                                   eos_token_ids=model.config.eos_token_ids)
+                                   eos_token_ids=model.config.eos_token_ids,
+                                   window=self.window)
         self._requests: dict[str, RequestEntry] = {}  # unfinished, by id
         self._pending: list[RequestOutput] = []  # ended off-step (aborts): the next step's
         self._num_added = self._prompt_tokens = 0
@@ -319,6 +326,10 @@ class Engine:
         (`jaxkv.engine.connector`; `jaxkv.disagg` hands them from prefill to decode)."""
         if self.has_unfinished_requests():
             raise ValueError("Engine.use_connector: the engine must be idle")
+        if self.window is not None:
+            raise ValueError("Engine.use_connector: hand-offs carry the full-attention layers' "
+                             "pages only; build this engine with window_kv=False (local layers "
+                             "keeping every token)")
         self.scheduler.connector = connector
 
     def loop_in_flight(self) -> LoopRun | None:
@@ -441,6 +452,7 @@ class Engine:
             generated_tokens=c.generated_tokens, preemptions=c.preemptions,
             kv_pages_total=self.num_pages, kv_pages_used=used, kv_pages_cached=cached,
             kv_pages_free=self.allocator.num_free, steps=self.runner.num_steps,
+            **window_stats(self.window),
             **tier_stats(self.radix, self.runner.host_pool))
 
     def check(self) -> None:
@@ -448,3 +460,5 @@ class Engine:
         sequences and prefix-cache references), and the radix tree's own invariants."""
         self.allocator.check(holders=self.scheduler.holders())
         self.radix.check()
+        if self.window is not None:
+            self.window.check(holders=self.scheduler.window_holders())

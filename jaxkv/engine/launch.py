@@ -24,7 +24,8 @@ def launch(engine: Engine, plan: SchedulerOutput) -> TokenRead | LoopRun | None:
     """Dispatches the device part of a step (copies, then a ragged step or a decode
     loop); returns its `TokenRead`, a `LoopRun`, or None when no row runs."""
     engine.run_cache_copies()  # first: saves read pages this plan freed, loads fill pages
-    engine.runner.copy_pages(plan.copies)  # a copy's source may have been freed by the plan
+    # a copy's source may have been freed by the plan
+    engine.runner.copy_pages(plan.copies, plan.window_copies)
     if engine.runner.debug_nan_freed_pages:  # poison what is free now (a copy's
         engine.runner.poison_pages(engine.allocator.drain_freed())  # destination never is)
     if not plan.rows:

@@ -101,6 +101,8 @@ class LLM:
         if quant is not None and model.quantization is None:
             model = quantize(model, quant)
         split = [(devices[:need], tp)] if sides is None else sides
+        if sides is not None:  # hand-offs carry every layer's pages: local layers keep all
+            cfg = EngineConfig.from_kwargs(cfg, window_kv=False)
         pools = [plan_kv_pool(model, cfg, n, devs[0]) for devs, n in split]
         self.config = cfg
         self.kv_pool = pools[-1]  # the decode side's, when disaggregated
@@ -109,7 +111,7 @@ class LLM:
         self._ids = itertools.count()
         max_len = min(p.max_model_len for p in pools)
         if sides is not None:  # one seed: the decode side continues the prefill side's samples
-            prefill, decode = (Engine(model, _engine_config(cfg, pool.pages, max_len),
+            prefill, decode = (Engine(model, _engine_config(cfg, pool, max_len),
                                       mesh=make_mesh(n, devs))
                                for (devs, n), pool in zip(sides, pools, strict=True))
             self.engine = DisaggregatedEngine(prefill, decode)
@@ -123,7 +125,7 @@ class LLM:
         meshes = [make_mesh(tp, devices[r * tp:(r + 1) * tp]) if need > 1 else None
                   for r in range(dp)]
         # Distinct seeds: unseeded requests on different replicas draw different numbers.
-        engines = [Engine(model, _engine_config(cfg, self.kv_pool.pages, max_len, seed_offset=r),
+        engines = [Engine(model, _engine_config(cfg, self.kv_pool, max_len, seed_offset=r),
                           mesh=mesh) for r, mesh in enumerate(meshes)]
         return engines[0] if dp == 1 else ReplicatedEngine(engines)
 
@@ -213,10 +215,12 @@ class LLM:
         return self.engine.stats()
 
 
-def _engine_config(cfg: EngineConfig, num_pages: int, max_model_len: int, *,
+def _engine_config(cfg: EngineConfig, pool, max_model_len: int, *,
                    seed_offset: int = 0) -> EngineConfig:
-    """One engine's settings: the pool it was given, and its own seed."""
-    return EngineConfig.from_kwargs(cfg, num_pages=num_pages, max_model_len=max_model_len,
+    """One engine's settings: the pool it was given (a `KVPoolPlan`), and its own seed."""
+    return EngineConfig.from_kwargs(cfg, num_pages=pool.pages, max_model_len=max_model_len,
+                                    num_window_slots=pool.window_slots or None,
+                                    window_kv=bool(pool.window_slots),
                                     seed=cfg.runtime.seed + seed_offset)
 
 

@@ -32,6 +32,8 @@ class SchedulerOutput:
     decode_rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
     prefill_rows: list[ScheduledRow] = dataclasses.field(default_factory=list)
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
+    # The same copies in the local layers' pool (window-only KV): (src slot, dst slot).
+    window_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
 
     @property

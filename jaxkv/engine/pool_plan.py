@@ -14,10 +14,13 @@ import logging
 import jax
 import numpy as np
 
+from jaxkv.cache.window import slots_needed
 from jaxkv.config import EngineConfig, KVPoolPlan, KVSpec, cdiv
 from jaxkv.engine.kv_budget import kv_budget
-from jaxkv.kv import kv_spec
+from jaxkv.kv import kv_spec, kv_specs
+from jaxkv.model.llama import Llama
 from jaxkv.model.pretrained import Model
+from jaxkv.runtime.steps import default_decode_steps
 from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
 
 logger = logging.getLogger("jaxkv.engine.llm")
@@ -30,16 +33,25 @@ def model_kv_spec(model: Model, kv_cache_dtype: str = "auto") -> KVSpec:
 
 def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolPlan:
     """The KV pool of one engine on ``tp`` devices, the first of them ``device``; logged at
-    INFO."""
+    INFO.
+
+    With window-only KV the local layers' slots come first (what ``max_num_seqs`` windows
+    pin), pages of the full-attention layers take the rest, and what the page cap leaves
+    goes back to slots (cache for windows of finished requests)."""
     cache, sched = config.cache, config.scheduler
     page_size, num_pages = cache.page_size, cache.num_pages
+    need = window_need(model, config)
     try:
-        spec = model_kv_spec(model, cache.kv_cache_dtype)
+        stored = storage_dtype(cache.kv_cache_dtype, model.dtype)
+        full_spec, window_spec = kv_specs(model.config, stored, need is not None)
     except ValueError as e:
         raise ValueError(f"LLM: {e}") from None
-    per_token = spec.replicated(tp)  # per replica
+    per_token = full_spec.replicated(tp)  # per replica
     page_bytes = per_token * page_size
-    source = "num_pages"
+    slot_bytes = window_spec.replicated(tp) * page_size if need else 0
+    longest = sched.max_model_len or model.config.max_position_embeddings
+    cap = sched.max_num_seqs * cdiv(longest, page_size) + 1  # max_num_seqs full sequences
+    source, slots = "num_pages", need
     if num_pages is None:
         if cache.kv_cache_memory_bytes is None:
             budget = kv_budget(model.config, fraction=cache.kv_cache_memory_fraction,
@@ -50,26 +62,97 @@ def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolP
             memory, source = budget.bytes, budget.source
         else:
             memory, source = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        num_pages = memory // page_bytes
+        pages_memory = memory - ((need or 0) + 1) * slot_bytes if need else memory
+        # every layer local (Mistral): pages cost nothing, their windows' slots do
+        num_pages = pages_memory // page_bytes if page_bytes else cap + (need or 0)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory_bytes={memory} holds no page of "
-                             f"{page_bytes} bytes")
-        if cache.kv_cache_memory_bytes is None:  # never more than max_num_seqs full sequences
-            longest = sched.max_model_len or model.config.max_position_embeddings
-            num_pages = min(num_pages, sched.max_num_seqs * cdiv(longest, page_size) + 1)
+                             f"{page_bytes} bytes" + (f" beside {need} window slots of "
+                                                      f"{slot_bytes} bytes" if need else ""))
+        if cache.kv_cache_memory_bytes is None:
+            num_pages = min(num_pages, cap)
         g = pages_per_scale_row(page_size)
-        if is_quantized(storage_dtype(cache.kv_cache_dtype, model.dtype)) and num_pages >= g:
+        if is_quantized(stored) and num_pages >= g:
             num_pages -= num_pages % g
+        if need and cache.num_window_slots is None:  # the rest holds windows for the cache
+            left = memory - num_pages * page_bytes - (need + 1) * slot_bytes
+            slots = need + max(0, left) // slot_bytes
+    if slots is not None and cache.num_pages is not None and cache.num_window_slots is None \
+            and slots >= num_pages:
+        slots = None  # as many slots as pages: keeping every token costs the same
+    if slots is not None:
+        slots = min(slots, num_pages)  # one slot per page at most
     max_model_len = sched.max_model_len
     if max_model_len is None:  # what the model and the pool allow
         max_model_len = min(model.config.max_position_embeddings, num_pages * page_size)
     pool = KVPoolPlan(pages=num_pages, page_size=page_size,
                       kv_cache_dtype=cache.kv_cache_dtype, bytes_per_token=per_token,
-                      max_model_len=max_model_len, source=source)
+                      max_model_len=max_model_len, source=source, window_slots=slots or 0,
+                      window_slot_bytes=slot_bytes)
     logger.info("KV cache: %d pages x %d tokens = %d tokens, %.2f GiB per replica (%s); "
                 "%d sequences of max_model_len %d fit at once", pool.pages, page_size,
                 pool.tokens, pool.bytes / 2**30, source, pool.full_sequences, max_model_len)
+    if slots:
+        logger.info("Window-only KV: local layers keep %d slots of %d tokens (%.2f GiB) for "
+                    "windows of %d tokens", slots, page_size, (slots + 1) * slot_bytes / 2**30,
+                    model.config.sliding_window)
     return pool
+
+
+def window_need(model: Model, config: EngineConfig, max_model_len: int | None = None
+                ) -> int | None:
+    """Slots the local layers' pool needs with window-only KV (`jaxkv.cache.window`): the
+    ``num_window_slots`` setting if given, else `slots_needed`. None where every layer keeps
+    every page: ``window_kv`` off, no local layers, a custom or scanned model (each layer must
+    pick its pool statically), a host tier (its pages carry every layer), a window under a
+    page, or sequences no longer than the window (default ``max_model_len``: the setting or
+    the model's context)."""
+    c, cache, sched = model.config, config.cache, config.scheduler
+    w, s = c.sliding_window, cache.page_size
+    longest = max_model_len or sched.max_model_len or c.max_position_embeddings
+    if (not cache.window_kv or w is None or not any(c.is_sliding(i) for i in range(c.num_layers))
+            or cache.host_kv_cache_bytes or w < s or longest <= w):
+        return None
+    module = model.module()
+    if not isinstance(module, Llama) or module.layers.scan:
+        return None
+    if cache.num_window_slots is not None:
+        return cache.num_window_slots
+    return _slots_needed(c, config)
+
+
+def _slots_needed(c, config: EngineConfig) -> int:
+    sched = config.scheduler
+    steps = sched.max_decode_steps or default_decode_steps()
+    return slots_needed(c.sliding_window, config.cache.page_size,
+                        max_num_seqs=sched.max_num_seqs,
+                        max_num_batched_tokens=sched.max_num_batched_tokens, decode_steps=steps)
+
+
+def window_slots(model: Model, config: EngineConfig, num_pages: int, max_model_len: int
+                 ) -> int | None:
+    """The slots of an engine's local-layer pool (`window_need`, at most one per page), or
+    None (every layer keeps every page) where that saves nothing: the windows need as many
+    slots as the pool has pages and ``num_window_slots`` was not set."""
+    need = window_need(model, config, max_model_len)
+    given = config.cache.num_window_slots
+    if need is None or (given is None and need >= num_pages):
+        return None
+    least = min(_slots_needed(model.config, config), num_pages)  # pins never exceed pages
+    if given is not None and given < least:
+        raise ValueError(f"num_window_slots={given} is below the {least} slots "
+                         f"{config.scheduler.max_num_seqs} sequences' windows of "
+                         f"{model.config.sliding_window} tokens can pin at once (leave it "
+                         "unset, or lower max_num_seqs)")
+    return min(need, num_pages)
+
+
+def window_stats(window) -> dict:
+    """The `EngineStats` fields of window-only KV's slots (none without it)."""
+    if window is None:
+        return {}
+    return dict(window_slots_total=window.num_slots, window_slots_pinned=window.num_pinned,
+                window_slots_cached=window.num_idle, window_slot_evictions=window.evictions)
 
 
 def weights_to_place(model: Model, device, tp: int) -> int:

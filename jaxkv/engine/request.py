@@ -50,6 +50,7 @@ class Request:
     forks: list[Request] = dataclasses.field(default_factory=list)  # samples 1..n-1, unborn
     peeked: tuple | None = None  # ((cache version, tokens), cached prefix) of the last look
     pages_offered: int = 0  # whole prompt pages already offered to the prefix cache
+    window_pins: tuple[int, int] = (0, 0)  # pages [lo, hi) whose local-layer slot it pins
     skipped: int = 0  # steps that admitted a later arrival ahead of it while it waited (aging)
     detok: IncrementalDetokenizer | None = None  # its text, when the model has a tokenizer
     logprobs: list[dict[int, Logprob]] | None = None  # per output token, with logprobs=k
@@ -243,6 +244,12 @@ class EngineStats:
     kv_transfers: int = 0
     kv_pages_transferred: int = 0
     kv_bytes_transferred: int = 0
+    # Window-only KV (`jaxkv.cache.window`): the local layers' pool of slots, those running
+    # sequences' windows pin, those kept only for the prefix cache, and those taken back.
+    window_slots_total: int = 0
+    window_slots_pinned: int = 0
+    window_slots_cached: int = 0
+    window_slot_evictions: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

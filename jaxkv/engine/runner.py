@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxkv.attention import check_head_dim, check_page_size, kernel_for
+from jaxkv.cache.window import WindowSlots
 from jaxkv.config import EngineConfig, cdiv
 from jaxkv.engine import logprobs
 from jaxkv.engine import warmup as compile_ahead
@@ -34,7 +35,7 @@ from jaxkv.engine.host_tier import HostKVPool
 from jaxkv.engine.plan import ScheduledRow, SchedulerOutput
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
-from jaxkv.runtime.batch import PageTable, build_batch, fit, ladder, pow2
+from jaxkv.runtime.batch import PageTable, WindowTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import build_processors, has_processors, sample_processed
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample, token_logprobs
@@ -92,7 +93,7 @@ class ModelRunner:
     owns; the device for what is in them)."""
 
     def __init__(self, model: Model, config: EngineConfig, *, num_pages: int,
-                 max_model_len: int, mesh=None):
+                 max_model_len: int, mesh=None, window: WindowSlots | None = None):
         cache, sched = config.cache, config.scheduler
         if mesh is not None:  # tensor parallel: weights and KV pages split by head
             model = shard(model, mesh,
@@ -126,6 +127,10 @@ class ModelRunner:
                                         | {max_num_seqs}))
         self.copy_buckets = tuple(sorted({8, max(8, pow2(2 * max_num_seqs))}))
         self.page_table = PageTable(max_num_seqs, self.max_pages_per_seq, num_pages, page_size)
+        # Window-only KV: the local layers' slots (the scheduler's books) and their table.
+        self.window = window
+        self.window_table = None if window is None else \
+            WindowTable(max_num_seqs, self.max_pages_per_seq, window)
         self.debug_nan_freed_pages = cache.debug_nan_freed_pages
         self.state = self.new_state()
         self.host_pool = self._host_pool(cache.host_kv_cache_bytes)
@@ -145,7 +150,8 @@ class ModelRunner:
     def new_state(self):
         """A zeroed KV state for this engine's pool."""
         state = init_state(self.model.config, self.num_pages, self.page_size, self.model.dtype,
-                           self.kv_cache_dtype)
+                           self.kv_cache_dtype,
+                           None if self.window is None else self.window.num_slots)
         # Committed, like the params (`commit`): jit specializes on it, so a step's output
         # state (committed) runs in the same programs as the first one.
         return commit(state) if self.mesh is None else shard_state(state, self.mesh)
@@ -167,10 +173,12 @@ class ModelRunner:
         if self.host_pool is not None and moves:
             self.state = self.host_pool.run(self.state, moves)
 
-    def copy_pages(self, copies) -> None:
-        """Device page copies (src, dst): prefix reuse of a partly matched page, copy-on-write."""
+    def copy_pages(self, copies, window_copies=()) -> None:
+        """Device page copies (src, dst): prefix reuse of a partly matched page, copy-on-write;
+        ``window_copies``: the same copies' local-layer slots (window-only KV)."""
         if copies:
-            self.state = copy_pages_padded(self.state, copies, self.copy_buckets)
+            self.state = copy_pages_padded(self.state, copies, self.copy_buckets,
+                                           window_copies)
 
     def poison_pages(self, pages) -> None:
         """Fills ``pages`` with NaN (debug_nan_freed_pages: a later read of them would show)."""
@@ -209,7 +217,7 @@ class ModelRunner:
         batch = build_batch(rows, self.page_table,
                             tokens_bucket=fit(sum(len(r.tokens) for r in rows),
                                               self.token_buckets),
-                            vocab_size=self.model.config.vocab_size)
+                            vocab_size=self.model.config.vocab_size, window=self.window_table)
         keys, arrays = self.sampling([(r.slot, r.samples[0]) for r in rows if r.samples])
         params = self.model.params
         tokens, logits, hidden, self.state = self.steps.step(params, self.state, batch, keys,
@@ -251,14 +259,14 @@ class ModelRunner:
         sample ``limits[i]`` tokens (its pages are reserved for them)."""
         rows = plan.decode_rows
         table = np.zeros((fit(len(rows), self.row_buckets), self.max_pages_per_seq), np.int32)
+        window = self.window_rows(table.shape[0])
         live = []
         for i, r in enumerate(rows):
             seq = r.request
-            self.page_table.update(r.slot, seq.pages, r.start, r.owner)
-            table[i] = self.page_table.table[r.slot]
+            self._update_tables(r.slot, seq.pages, r.start, r.owner, table, window, i)
             live.append(LoopRow(i, r.tokens[0], r.start, limits[i], seq.num_output_tokens,
                                 seq.sampling_params, seq.key))
-        loop = decode_loop_batch(live, table, self.model.config.eos_token_ids, n)
+        loop = decode_loop_batch(live, table, self.model.config.eos_token_ids, n, window)
         return self._run_loop(plan, loop, [r.start for r in rows], limits,
                               [r.request.num_output_tokens for r in rows], table, version)
 
@@ -269,13 +277,30 @@ class ModelRunner:
         pages for ``limits`` more tokens past ``starts``. A row that stopped on device stays
         stopped."""
         table = current.table.copy()  # rows hold the same slots as before
+        window = self.window_rows(table.shape[0])
         limit = np.zeros(table.shape[0], np.int32)
         for i, row in enumerate(current.plan.decode_rows):
-            self.page_table.update(row.slot, row.request.pages, starts[i], row.owner)
-            table[i] = self.page_table.table[row.slot]
+            self._update_tables(row.slot, row.request.pages, starts[i], row.owner, table,
+                                window, i)
             limit[i] = limits[i]
-        loop = current.after.replace(page_table=table, limit=limit, num_steps=np.int32(n))
+        loop = current.after.replace(page_table=table, limit=limit, num_steps=np.int32(n),
+                                     window_page_table=window)
         return self._run_loop(current.plan, loop, starts, limits, generated, table, version)
+
+    def window_rows(self, rows: int) -> np.ndarray | None:
+        """A decode loop's window table of ``rows`` idle rows (None without window-only KV)."""
+        if self.window is None:
+            return None
+        return np.full((rows, self.max_pages_per_seq), self.window.null, np.int32)
+
+    def _update_tables(self, slot, pages, start, owner, table, window, i) -> None:
+        """Brings slot ``slot``'s page table (and window table) up to date and copies them
+        into row ``i`` of a decode loop's tables."""
+        self.page_table.update(slot, pages, start, owner)
+        table[i] = self.page_table.table[slot]
+        if window is not None:
+            self.window_table.update(slot, pages, start, owner)
+            window[i] = self.window_table.table[slot]
 
     def _run_loop(self, plan, loop: DecodeLoopBatch, starts, limits, generated, table,
                   version) -> LoopRun:

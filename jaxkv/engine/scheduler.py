@@ -24,6 +24,10 @@ brings back to device pages the host-resident entries on the request's cached pa
 (`PrefixCache.promote`), and eviction moves entries to the host instead of dropping them; the
 cache queues the copies for the engine to run before the step.
 
+With window-only KV (`jaxkv.cache.window`), a running sequence also pins the local-layer slots
+of the pages from the first one its next query sees to its last; the pins slide forward as it
+computes, and a prefix hit is capped to what its window still holds.
+
 Prefix-cache entries live in the namespace (cache_salt, weight version) of the request that
 computed them (`Request.cache_namespace`; the version is ``weight_version`` at its admission),
 so after `Engine.update_params` no admission reuses KV of other weights.
@@ -38,10 +42,12 @@ step that preempted admits nothing, so a victim is not re-admitted at once.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.prefix import PrefixCache
+from jaxkv.cache.window import WindowSlots
 from jaxkv.config import cdiv
 from jaxkv.engine.connector import NullConnector, SchedulerConnector
 from jaxkv.engine.plan import ScheduledRow, SchedulerCounters, SchedulerOutput
@@ -56,7 +62,7 @@ class Scheduler:
 
     def __init__(self, allocator: PageAllocator, radix: PrefixCache, *, page_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Collection[int] = ()):
+                 eos_token_ids: Collection[int] = (), window: WindowSlots | None = None):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or v < 1:
@@ -76,6 +82,11 @@ class Scheduler:
         # Where a request's KV goes when it leaves before finishing (`jaxkv.engine.connector`;
         # prefill/decode disaggregation plugs one in).
         self.connector: SchedulerConnector = NullConnector()
+        # Window-only KV: the local layers' slots (None: every layer keeps every page).
+        self.window = window
+        if window is not None:
+            allocator.on_free = window.dropped
+        self._copy_sources: list[int] = []  # pinned while a plan is built (window copies)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -109,6 +120,7 @@ class Scheduler:
                     budget -= n
         if not out.preempted:
             self._admit_waiting(budget, out)
+        self._window_copies(out)
         return out
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
@@ -141,11 +153,57 @@ class Scheduler:
         if cow is not None:
             page, copied = self.allocator.copy_on_write(req.pages[cow])
             if copied:
-                out.copies.append((req.pages[cow], page))
+                self._copy(req.pages[cow], page, out)
+                lo, hi = req.window_pins
+                if lo <= cow < hi:  # the sequence's pin moves to its private copy
+                    self.window.unpin(req.pages[cow])
+                    self.window.pin(page)
                 req.pages[cow] = page
             need -= 1
         req.pages += self.allocator.allocate(need)
+        self._hold_window(req)
         return True
+
+    def _copy(self, src: int, dst: int, out: SchedulerOutput) -> None:
+        """Plans a device copy of page ``src`` into ``dst``; with window-only KV, ``src``'s
+        slot stays pinned until the plan is built, so its contents are still there to copy."""
+        out.copies.append((src, dst))
+        if self.window is not None and self.window.pin_if_held(src):
+            self._copy_sources.append(src)
+
+    def _window_copies(self, out: SchedulerOutput) -> None:
+        """The plan's copies in the local layers' pool (slot pairs), where the source has a
+        slot; then lets go of the sources' pins."""
+        w = self.window
+        if w is None:
+            return
+        out.window_copies = [(w.slot_of[s], w.slot_of[d]) for s, d in out.copies
+                             if s in w.slot_of and d in w.slot_of]
+        for page in self._copy_sources:
+            w.unpin(page)
+        self._copy_sources = []
+
+    def _hold_window(self, req: Request) -> None:
+        """Pins the local-layer slots of ``req``'s pages from the first its next query sees
+        to its last, and unpins those before (window-only KV; no-op otherwise)."""
+        w = self.window
+        if w is None:
+            return
+        lo, hi = req.window_pins
+        new_lo = w.first_page(req.num_computed_tokens)
+        new_lo, new_hi = (max(lo, new_lo) if hi > lo else new_lo), len(req.pages)
+        for i in _outside(lo, hi, new_lo, new_hi):
+            w.unpin(req.pages[i])
+        for i in _outside(new_lo, new_hi, lo, hi):
+            w.pin(req.pages[i])
+        req.window_pins = (new_lo, new_hi)
+
+    def _drop_window(self, req: Request) -> None:
+        if self.window is not None:
+            lo, hi = req.window_pins
+            for i in range(lo, hi):
+                self.window.unpin(req.pages[i])
+        req.window_pins = (0, 0)
 
     def make_room(self, need: int) -> bool:
         """Evicts from the prefix cache until ``need`` pages are free, or nothing is left to
@@ -220,6 +278,8 @@ class Scheduler:
             # an admission retried every step under memory pressure counts once.
             match = self.radix.match_prefix(tokens[:-1], space, peek=True)
             cached = match.num_tokens if reuse_partial else match.num_tokens // s * s
+            if self.window is not None:  # its local layers read the window before it
+                cached = self.window.usable_prefix(match.pages, cached)
         full, locked = cached // s, reuse_partial and cached > 0
         shared = list(match.pages[:full]) if match else []
         if locked:  # keeps the matched path, the partly matched page included, from eviction
@@ -238,8 +298,9 @@ class Scheduler:
             self.allocator.share(shared)
         fresh = self.allocator.allocate(need)
         if cached % s:  # token-exact reuse: copy the matched part of the last page
-            out.copies.append((match.pages[full], fresh[0]))
+            self._copy(match.pages[full], fresh[0], out)
         req.pages, req.num_computed_tokens = shared + fresh, cached
+        self._hold_window(req)
         req.kv_version = self.weight_version
         req.prefix_handle = match.handle if locked else None
         req.prefill_end, req.status = len(tokens), RequestStatus.RUNNING
@@ -269,6 +330,8 @@ class Scheduler:
             req = row.request
             end = row.start + len(row.tokens)
             req.num_computed_tokens = end
+            if req.status is RequestStatus.RUNNING:
+                self._hold_window(req)  # what its next query no longer sees
             self.counters.computed_prompt_tokens += max(0, min(req.prefill_end, end) - row.start)
             if row.start < req.prefill_end:
                 self.cache_full_pages(req)
@@ -311,6 +374,7 @@ class Scheduler:
                 want = max(0, min(want, len(req.pages) * s - start))  # what its pages hold
             if extra > 0:
                 req.pages += self.allocator.allocate(extra)
+                self._hold_window(req)
             limits.append(want)
         return limits
 
@@ -331,6 +395,8 @@ class Scheduler:
                     self.cache_full_pages(req)
                 if self._take_token(req, token, now):
                     break
+            if req.status is RequestStatus.RUNNING:
+                self._hold_window(req)
             if toks:
                 progressed.append(req)
         return progressed
@@ -353,6 +419,10 @@ class Scheduler:
             sib.prefill_end = parent.prefill_end
             sib.num_cached_tokens, sib.status = parent.num_cached_tokens, RequestStatus.RUNNING
             sib.kv_version = parent.kv_version
+            if self.window is not None:
+                lo, hi = sib.window_pins = parent.window_pins
+                for page in parent.pages[lo:hi]:
+                    self.window.pin(page)
             self.running.append(sib)
         parent.forks = []
 
@@ -392,6 +462,7 @@ class Scheduler:
         if cache and n:
             self.radix.insert(req.token_ids[:n], req.pages[:cdiv(n, self.page_size)],
                               req.cache_namespace)
+        self._drop_window(req)
         self.allocator.free(req.pages)
         req.pages, req.pages_offered = [], 0
         if req.prefix_handle is not None:
@@ -410,6 +481,11 @@ class Scheduler:
         held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
         return held
 
+    def window_holders(self) -> list[list[int]]:
+        """The pages whose local-layer slot each running sequence pins (window-only KV), for
+        ``WindowSlots.check(holders=...)``."""
+        return [r.pages[slice(*r.window_pins)] for r in self.running]
+
     def page_usage(self) -> tuple[int, int]:
         """(pages held by running sequences and by requests in a prefill-to-decode transfer,
         pages held only by the prefix cache)."""
@@ -417,3 +493,10 @@ class Scheduler:
         used |= {p for pages in self.connector.held_pages() for p in pages}
         cached = set(self.radix.held_pages()) - used
         return len(used), len(cached)
+
+
+def _outside(lo: int, hi: int, other_lo: int, other_hi: int):
+    """Indices of [lo, hi) outside [other_lo, other_hi)."""
+    if other_hi <= other_lo:
+        return range(lo, hi)
+    return itertools.chain(range(lo, min(hi, other_lo)), range(max(lo, other_hi), hi))

@@ -40,8 +40,8 @@ def engine_programs(engine) -> list[tuple[str, int]]:
 
 
 def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
-    """Decode-loop inputs of ``rows`` rows that are all padding (for compiling ahead); only
-    ``engine.max_pages_per_seq`` is read."""
+    """Decode-loop inputs of ``rows`` rows that are all padding (for compiling ahead) of
+    ``engine`` (an `Engine` or its `ModelRunner`)."""
     def z(dtype, *shape):
         return np.zeros(shape or (rows,), dtype)
 
@@ -52,7 +52,8 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
         max_tokens=np.ones(rows, np.int32),
         stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32), keys=z(np.uint32, rows, 2),
         temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(rows, np.float32),
-        num_steps=np.int32(1))
+        num_steps=np.int32(1),
+        window_page_table=getattr(engine, "runner", engine).window_rows(rows))
 
 
 def _precompile(engine, progs) -> None:
@@ -65,8 +66,8 @@ def _precompile(engine, progs) -> None:
     def compile_one(prog):
         kind, size = prog
         if kind == "step":
-            engine.steps.step.lower(params, state, padding_batch(size, engine.page_table),
-                                    keys, arrays).compile()
+            batch = padding_batch(size, engine.page_table, engine.window_table)
+            engine.steps.step.lower(params, state, batch, keys, arrays).compile()
         else:
             engine.steps.decode_loop.lower(params, state, idle_decode_loop(engine, size)
                                            ).compile()
@@ -88,8 +89,8 @@ def warmup(engine) -> int:
         if kind == "step":
             keys, arrays = engine.sampling([])
             tokens, logits, _, engine.state = engine.steps.step(
-                engine.model.params, engine.state, padding_batch(size, engine.page_table),
-                keys, arrays)
+                engine.model.params, engine.state,
+                padding_batch(size, engine.page_table, engine.window_table), keys, arrays)
             forked = sample(logits, keys, arrays)  # the fork sampler: one shape for all
             for drawn in (tokens, forked):  # logprobs of a step's or a fork's tokens
                 token_logprobs(logits, drawn, MAX_LOGPROBS)
@@ -100,7 +101,8 @@ def warmup(engine) -> int:
             # A continuation takes the previous loop's outputs (device arrays, placed as the
             # mesh puts them), which may be a different signature from host arrays.
             chained = after.replace(page_table=idle.page_table, limit=idle.limit,
-                                    num_steps=idle.num_steps)
+                                    num_steps=idle.num_steps,
+                                    window_page_table=idle.window_page_table)
             _, _, engine.state = engine.steps.decode_loop(engine.model.params, engine.state,
                                                           chained)
         elif kind == "copy_pages":  # one pair to a dropped destination, padded to `size`

@@ -57,11 +57,16 @@ def gated_activation(x, kind: str):
 
 def default_scan_layers(config: ModelConfig, platform: str) -> bool:
     """Whether layers are stacked and scanned by default: on GPU and TPU (compile time flat in
-    depth), except for mixtures of experts. XLA copies a scanned layer's slice of the stacked
-    expert weights before each grouped matmul (ragged_dot cannot read a slice in place: 768 MiB
-    per Qwen3-30B-A3B layer on v6e, tests/aot), so MoE layers stay unrolled and are read where
-    they are. On CPU layers are unrolled (see `DecoderLayers`)."""
-    return platform != "cpu" and not config.num_experts
+    depth), except for mixtures of experts and models with local (sliding-window) layers. XLA
+    copies a scanned layer's slice of the stacked expert weights before each grouped matmul
+    (ragged_dot cannot read a slice in place: 768 MiB per Qwen3-30B-A3B layer on v6e,
+    tests/aot), so MoE layers stay unrolled and are read where they are. Local layers keep only
+    their window's KV in a pool of their own (`jaxkv.cache.window`), which each layer must pick
+    statically. On CPU layers are unrolled (see `DecoderLayers`)."""
+    w = config.sliding_window  # (Phi-3.5's 262144 reaches past its context: no local layer)
+    local = w is not None and w < config.max_position_embeddings and any(
+        config.is_sliding(i) for i in range(config.num_layers))
+    return platform != "cpu" and not config.num_experts and not local
 
 
 class DecoderLayers(nnx.Module):

@@ -82,6 +82,9 @@ class StepBatch:
     kv_lens: jax.Array  # i32[B]  cached tokens after this step, including the new ones (0: idle)
     cu_q_lens: jax.Array  # i32[B + 1]
     num_seqs: jax.Array  # i32[]  B: every slot is a row (idle ones have no tokens)
+    # Window-only KV (`jaxkv.cache.window`): the local layers' slots, like the two above.
+    window_write_pages: jax.Array | None = None  # i32[T]  (the null slot + 1 for padding)
+    window_page_table: jax.Array | None = None  # i32[B, W]
 
 
 class PageTable:
@@ -113,10 +116,47 @@ class PageTable:
         self._owner[slot], self._written[slot] = None, 0
 
 
+class WindowTable:
+    """The per-slot table of the local layers' slots (window-only KV, `jaxkv.cache.window`):
+    entry i of a row is the slot of the row's page i from the first page its query sees on,
+    and the null slot before (the kernels mask those positions; the null slot is zeros).
+
+    Kept between steps like `PageTable`: a pinned page keeps its slot, so only the entries
+    from the page the row writes into on are rewritten, and those its window has left are
+    pointed at the null slot."""
+
+    def __init__(self, max_seqs: int, width: int, slots):
+        self.slots = slots  # the host's `WindowSlots`: slot_of, null, first_page
+        self.table = np.full((max_seqs, width), slots.null, np.int32)
+        self._owner: list[object] = [None] * max_seqs
+        self._first = np.zeros(max_seqs, np.int64)
+        self._written = np.zeros(max_seqs, np.int64)
+
+    def update(self, slot: int, pages: Sequence[int], start: int, owner) -> None:
+        """Makes row ``slot`` hold the slots of ``pages`` for a query at ``start``."""
+        w, s = self.slots, self.slots.page_size
+        first = w.first_page(start)
+        if owner is not None and self._owner[slot] == owner:
+            self.table[slot, self._first[slot]:first] = w.null
+            lo = max(first, min(start // s, int(self._written[slot])))
+        else:
+            self.table[slot] = w.null
+            lo = first
+        try:
+            self.table[slot, lo:len(pages)] = [w.slot_of[p] for p in pages[lo:]]
+        except KeyError as e:
+            raise ValueError(f"slot {slot}: page {e.args[0]} has no window slot") from None
+        self._owner[slot], self._first[slot], self._written[slot] = owner, first, len(pages)
+
+    def forget(self, slot: int) -> None:
+        self._owner[slot], self._written[slot] = None, 0
+
+
 def build_batch(rows: Sequence[Row], table: PageTable, *, tokens_bucket: int,
-                vocab_size: int | None = None) -> StepBatch:
+                vocab_size: int | None = None, window: WindowTable | None = None
+                ) -> StepBatch:
     """Packs rows (at most one per slot) into a StepBatch of ``tokens_bucket`` tokens,
-    validating every index it will write."""
+    validating every index it will write (``window``: and the local layers' slots)."""
     if not rows:
         raise ValueError("build_batch: rows is empty")
     b, s = table.table.shape[0], table.page_size
@@ -137,6 +177,8 @@ def build_batch(rows: Sequence[Row], table: PageTable, *, tokens_bucket: int,
             raise ValueError(f"build_batch: slot {r.slot} needs {need} pages for {end} tokens, "
                              f"got {len(r.pages)}")
         table.update(r.slot, r.pages, r.start, r.owner)
+        if window is not None:
+            window.update(r.slot, r.pages, r.start, r.owner)
         by_slot[r.slot] = r
         q_lens[r.slot], kv_lens[r.slot] = len(r.tokens), end
     cu = np.zeros(b + 1, np.int32)
@@ -147,11 +189,15 @@ def build_batch(rows: Sequence[Row], table: PageTable, *, tokens_bucket: int,
     tokens = np.zeros(tokens_bucket, np.int32)
     positions = np.zeros(tokens_bucket, np.int32)
     write_pages = np.full(tokens_bucket, table.num_pages, np.int32)
+    window_write = None if window is None else \
+        np.full(tokens_bucket, window.slots.null + 1, np.int32)
     for slot, r in by_slot.items():
         at, q = int(cu[slot]), len(r.tokens)
         tokens[at:at + q] = r.tokens
         positions[at:at + q] = np.arange(r.start, r.start + q)
         write_pages[at:at + q] = table.table[slot, positions[at:at + q] // s]
+        if window is not None:
+            window_write[at:at + q] = window.table[slot, positions[at:at + q] // s]
     if vocab_size is not None:
         real = tokens[:total]
         bad = real[(real < 0) | (real >= vocab_size)]
@@ -160,15 +206,20 @@ def build_batch(rows: Sequence[Row], table: PageTable, *, tokens_bucket: int,
                              f"[0, {vocab_size})")
     return StepBatch(tokens=tokens, positions=positions, write_pages=write_pages,
                      write_offsets=positions % s, page_table=table.table.copy(),
-                     kv_lens=kv_lens, cu_q_lens=cu, num_seqs=np.int32(b))
+                     kv_lens=kv_lens, cu_q_lens=cu, num_seqs=np.int32(b),
+                     window_write_pages=window_write,
+                     window_page_table=None if window is None else window.table.copy())
 
 
-def padding_batch(t: int, table: PageTable) -> StepBatch:
+def padding_batch(t: int, table: PageTable, window: WindowTable | None = None) -> StepBatch:
     """A batch of T tokens whose every token and row is padding: running it changes no page.
     For compiling a step program ahead of serving."""
     b = table.table.shape[0]
+    windowed = window is not None
     return StepBatch(
         tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
         write_pages=np.full(t, table.num_pages, np.int32), write_offsets=np.zeros(t, np.int32),
         page_table=np.zeros_like(table.table), kv_lens=np.zeros(b, np.int32),
-        cu_q_lens=np.zeros(b + 1, np.int32), num_seqs=np.int32(b))
+        cu_q_lens=np.zeros(b + 1, np.int32), num_seqs=np.int32(b),
+        window_write_pages=np.full(t, window.slots.null + 1, np.int32) if windowed else None,
+        window_page_table=np.full_like(window.table, window.slots.null) if windowed else None)

@@ -18,38 +18,58 @@ from jaxkv.kv import PagedKVState
 from pallas_kernels.quant import NAN_SCALES, pages_per_scale_row
 
 
-def _scale_slots(state: PagedKVState, pages):
+def _scale_slots(kv_pages, kv_scales, pages):
     """Index arrays (rows [N, 1], columns [N, S]) of the scale words of pages ``pages``."""
-    s = state.page_size
+    s = kv_pages.shape[3]
     g = pages_per_scale_row(s)
-    rows = jnp.where(pages < state.num_pages, pages // g, state.kv_scales.shape[2])  # >= P: out
+    rows = jnp.where(pages < kv_pages.shape[2], pages // g, kv_scales.shape[2])  # >= P: out
     return rows[:, None], (pages % g * s)[:, None] + jnp.arange(s)
 
 
-def _get_scales(state: PagedKVState, pages):
+def _get_scales(state: PagedKVState, pages, window: bool = False):
     """Scale words of ``pages`` (>= P: zeros): i32[L, K, N, S]."""
-    rows, cols = _scale_slots(state, pages)
-    return state.kv_scales.at[:, :, rows, cols].get(mode="fill", fill_value=0)
+    kv, scales = _pool(state, window)
+    rows, cols = _scale_slots(kv, scales, pages)
+    return scales.at[:, :, rows, cols].get(mode="fill", fill_value=0)
 
 
-def _set_scales(state: PagedKVState, pages, words):
+def _set_scales(state: PagedKVState, pages, words, window: bool = False):
     """The scale array with ``words`` ([L, K, N, S] or a scalar) at ``pages`` (>= P: dropped)."""
-    rows, cols = _scale_slots(state, pages)
-    return state.kv_scales.at[:, :, rows, cols].set(words, mode="drop")
+    kv, scales = _pool(state, window)
+    rows, cols = _scale_slots(kv, scales, pages)
+    return scales.at[:, :, rows, cols].set(words, mode="drop")
+
+
+def _pool(state: PagedKVState, window: bool):
+    return (state.window_pages, state.window_scales) if window else \
+        (state.kv_pages, state.kv_scales)
+
+
+def _copy(state: PagedKVState, src, dst, window: bool):
+    """(pages, scales) of one pool with ``src[i]`` copied to ``dst[i]``."""
+    kv, scales = _pool(state, window)
+    moved = jnp.moveaxis(_read_pages(kv, src), 0, 2)
+    kv = kv.at[:, :, dst].set(moved, mode="drop")
+    if scales is not None:
+        scales = _set_scales(state, dst, _get_scales(state, src, window), window)
+    return kv, scales
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def copy_pages(state: PagedKVState, src, dst) -> PagedKVState:
-    """Copies page ``src[i]`` to page ``dst[i]`` in every layer and kv head (i32[N] each).
+def copy_pages(state: PagedKVState, src, dst, window_src=None, window_dst=None
+               ) -> PagedKVState:
+    """Copies page ``src[i]`` to page ``dst[i]`` in every layer and kv head (i32[N] each),
+    and (window-only KV) slot ``window_src[i]`` to ``window_dst[i]`` of the local layers.
 
     All sources are read before any destination is written. A destination >= P is dropped
     (padding); destinations must be distinct. The state is donated: pages update in place.
     """
-    moved = jnp.moveaxis(_read_pages(state.kv_pages, src), 0, 2)
-    kv_pages = state.kv_pages.at[:, :, dst].set(moved, mode="drop")
-    scales = None if state.kv_scales is None else _set_scales(state, dst,
-                                                              _get_scales(state, src))
-    return state.replace(kv_pages=kv_pages, kv_scales=scales)
+    kv_pages, kv_scales = _copy(state, src, dst, False)
+    state = state.replace(kv_pages=kv_pages, kv_scales=kv_scales)
+    if window_src is None:
+        return state
+    window_pages, window_scales = _copy(state, window_src, window_dst, True)
+    return state.replace(window_pages=window_pages, window_scales=window_scales)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -88,16 +108,35 @@ def padded_parts(items, sizes):
         items = items[n:]
 
 
-def copy_pages_padded(state: PagedKVState, pairs, sizes=(8, 64)) -> PagedKVState:
-    """`copy_pages` of (src, dst) pairs, padded to the smallest of ``sizes`` that holds them
-    (in several calls of the largest when none does), so few programs compile."""
+def copy_pages_padded(state: PagedKVState, pairs, sizes=(8, 64), window_pairs=()
+                      ) -> PagedKVState:
+    """`copy_pages` of (src, dst) pairs (and, window-only KV, the local layers' slot pairs,
+    which the host plans with them: at most as many), padded to the smallest of ``sizes``
+    that holds them (in several calls of the largest when none does), so few programs
+    compile."""
+    pairs, window_pairs = list(pairs), list(window_pairs)
+    if len(window_pairs) > len(pairs):
+        raise ValueError(f"copy_pages_padded: {len(window_pairs)} window copies for "
+                         f"{len(pairs)} page copies")
+    at = 0
     for part, n in padded_parts(pairs, sizes):
-        src = np.zeros(n, np.int32)
-        dst = np.full(n, state.num_pages, np.int32)  # out of range: dropped
-        for i, (s, d) in enumerate(part):
-            src[i], dst[i] = s, d
-        state = copy_pages(state, src, dst)
+        src, dst = _padded(part, n, state.num_pages)
+        if state.windowed:
+            wsrc, wdst = _padded(window_pairs[at:at + len(part)], n,
+                                 state.window_pages.shape[2])
+            state = copy_pages(state, src, dst, wsrc, wdst)
+        else:
+            state = copy_pages(state, src, dst)
+        at += len(part)
     return state
+
+
+def _padded(pairs, n: int, out_of_range: int):
+    """(src, dst) i32[n] each; padding copies page 0 to an out-of-range page (dropped)."""
+    src, dst = np.zeros(n, np.int32), np.full(n, out_of_range, np.int32)
+    for i, (s, d) in enumerate(pairs):
+        src[i], dst[i] = s, d
+    return src, dst
 
 
 def _read_pages(kv_pages, pages):
@@ -122,7 +161,7 @@ def _read_pages(kv_pages, pages):
 def gather_pages(state: PagedKVState, pages):
     """The contents of pages ``pages`` (i32[N]; >= P gives zeros), page-major for a host pool
     or a transfer: (values [N, L, K, S, 2D], scale words i32[N, L, K, S] or None). Not donated:
-    it only reads."""
+    it only reads. (Full-attention layers only: window-only KV goes with neither.)"""
     scales = None if state.kv_scales is None else jnp.moveaxis(_get_scales(state, pages), 2, 0)
     return _read_pages(state.kv_pages, pages), scales
 

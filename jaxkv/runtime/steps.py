@@ -37,7 +37,7 @@ from jaxkv.attention import (
     windowed_attention,
 )
 from jaxkv.errors import KVStateError
-from jaxkv.kv import PagedKVState, rotate_queries, write_kv
+from jaxkv.kv import PagedKVState, pool_layers, rotate_queries, write_kv
 from jaxkv.runtime.batch import StepBatch
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens, token_logprobs
 from jaxkv.sharding import kv_sharding, sharded_attention
@@ -63,6 +63,7 @@ class DecodeLoopBatch:
     top_k: jax.Array  # i32[R]
     top_p: jax.Array  # f32[R]
     num_steps: jax.Array  # i32[]  at most N (the tokens array's rows)
+    window_page_table: jax.Array | None = None  # i32[R, W]  local layers' slots (window KV)
 
 
 class LoopRow(NamedTuple):
@@ -78,9 +79,11 @@ class LoopRow(NamedTuple):
 
 
 def decode_loop_batch(rows: Sequence[LoopRow], table: np.ndarray, eos_token_ids,
-                      num_steps: int) -> DecodeLoopBatch:
+                      num_steps: int, window_table: np.ndarray | None = None
+                      ) -> DecodeLoopBatch:
     """The inputs of `decode_loop` for ``rows`` over page table ``table`` (i32[R, W], row i
-    for row index i); rows not named idle."""
+    for row index i; ``window_table`` the same rows' local-layer slots with window-only KV);
+    rows not named idle."""
     r = table.shape[0]
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
     live, limit, generated = np.zeros(r, bool), np.zeros(r, np.int32), np.zeros(r, np.int32)
@@ -100,7 +103,7 @@ def decode_loop_batch(rows: Sequence[LoopRow], table: np.ndarray, eos_token_ids,
         tokens=tokens, positions=positions, page_table=table, live=live, limit=limit,
         generated=generated, min_tokens=min_tokens, max_tokens=max_tokens, stop_ids=stop_ids,
         keys=keys, temperature=temperature, top_k=top_k, top_p=top_p,
-        num_steps=np.int32(num_steps))
+        num_steps=np.int32(num_steps), window_page_table=window_table)
 
 
 def _merge(graphdef, params, impl: str, mesh):
@@ -117,16 +120,23 @@ def _check_state(state: PagedKVState, model) -> None:
     """Raises KVStateError if `state` cannot hold this model's KV."""
     state.validate()
     state.validate_for(model.config)
+    if state.windowed and getattr(getattr(model, "layers", None), "scan", False):
+        raise KVStateError("PagedKVState.window_pages: window-only KV needs unrolled layers "
+                           "(load the model with scan_layers=False, or serve with "
+                           "window_kv=False)")
     if not state.quantized and state.kv_pages.dtype != model.dtype:
         raise KVStateError(f"PagedKVState.kv_pages: dtype {state.kv_pages.dtype} does not match "
                            f"the model's compute dtype {jnp.dtype(model.dtype)}")
 
 
 def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offsets,
-             page_table, kv_lens, cu_q_lens, num_seqs, *, decode: bool):
+             page_table, kv_lens, cu_q_lens, num_seqs, *, decode: bool, window=None):
     """Hidden states of T tokens and the (pages, scales) with their K/V written; ``kv`` is
-    (kv_pages, kv_scales or None), carried through the layers."""
+    (kv_pages, kv_scales or None), carried through the layers. Window-only KV: ``kv`` also
+    holds (window_pages, window_scales), and ``window`` is the local layers' (write slots
+    i32[T], slot table i32[B, W])."""
     c = model.config
+    layout = pool_layers(c, window is not None)
 
     def attend_with(windows):
         """Attention of a layer whose window is one of ``windows`` (a layer's own, when the
@@ -150,37 +160,69 @@ def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offset
 
     def attention(layer, q, k, v, kv):
         windows = (c.layer_window(layer),) if isinstance(layer, int) else c.windows
-        return attend_with(windows)(q, k, v, kv, layer, write_pages, write_offsets,
-                                    page_table, kv_lens, cu_q_lens, num_seqs)
+        if window is None:
+            return attend_with(windows)(q, k, v, kv, layer, write_pages, write_offsets,
+                                        page_table, kv_lens, cu_q_lens, num_seqs)
+        pool, index = layout[layer]  # unrolled layers (checked): layer is an int
+        if pool == "window":
+            out, pages = attend_with(windows)(q, k, v, kv[2:], index, window[0], write_offsets,
+                                              window[1], kv_lens, cu_q_lens, num_seqs)
+            return out, (*kv[:2], *pages)
+        out, pages = attend_with(windows)(q, k, v, kv[:2], index, write_pages, write_offsets,
+                                          page_table, kv_lens, cu_q_lens, num_seqs)
+        return out, (*pages, *kv[2:])
 
     return model(tokens, positions, attention, kv)
 
 
 def _keep_layout(state, mesh):
     if mesh is not None:  # keep the donated layout, so the next step reuses the buffers
-        state = jax.lax.with_sharding_constraint(state, kv_sharding(mesh, state.quantized))
+        state = jax.lax.with_sharding_constraint(
+            state, kv_sharding(mesh, state.quantized, state.windowed))
     return state
+
+
+def _pools(state: PagedKVState) -> tuple:
+    """The pools a step carries through the layers: (pages, scales[, window pages, scales])."""
+    kv = (state.kv_pages, state.kv_scales)
+    return kv + (state.window_pages, state.window_scales) if state.windowed else kv
+
+
+def _with_pools(state: PagedKVState, kv: tuple) -> PagedKVState:
+    if len(kv) == 2:
+        return state.replace(kv_pages=kv[0], kv_scales=kv[1])
+    return state.replace(kv_pages=kv[0], kv_scales=kv[1], window_pages=kv[2],
+                         window_scales=kv[3])
 
 
 def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch, keys,
           sampling: SamplingArrays):
     model = _merge(graphdef, params, impl, mesh)
     _check_state(state, model)  # at trace time: a new shape or dtype retraces
-    hidden, (kv_pages, kv_scales) = _forward(
-        model, impl, mesh, (state.kv_pages, state.kv_scales), batch.tokens, batch.positions,
+    _check_window(state, batch.window_page_table)
+    window = (batch.window_write_pages, batch.window_page_table) if state.windowed else None
+    hidden, kv = _forward(
+        model, impl, mesh, _pools(state), batch.tokens, batch.positions,
         batch.write_pages, batch.write_offsets, batch.page_table, batch.kv_lens,
-        batch.cu_q_lens, batch.num_seqs, decode=False)
+        batch.cu_q_lens, batch.num_seqs, decode=False, window=window)
     last = jnp.maximum(batch.cu_q_lens[1:] - 1, 0)
     logits = model.logits(hidden[last])
     tokens = sample_tokens(logits, keys, sampling)
-    state = state.replace(kv_pages=kv_pages, kv_scales=kv_scales)
-    return tokens, logits, hidden, _keep_layout(state, mesh)
+    return tokens, logits, hidden, _keep_layout(_with_pools(state, kv), mesh)
+
+
+def _check_window(state: PagedKVState, window_table) -> None:
+    """A windowed state needs the local layers' slot table, and only it takes one."""
+    if state.windowed != (window_table is not None):
+        raise KVStateError("PagedKVState.window_pages: a state with window-only KV needs the "
+                           "batch's window_page_table, and one without takes none")
 
 
 def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: PagedKVState,
                  loop: DecodeLoopBatch):
     model = _merge(graphdef, params, impl, mesh)
     _check_state(state, model)
+    _check_window(state, loop.window_page_table)
     r = loop.tokens.shape[0]
     s, p = state.page_size, state.num_pages
     rows = jnp.arange(r)
@@ -195,10 +237,15 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
     def body(carry):
         i, tokens, positions, running, finished, generated, out, kv = carry
         page = loop.page_table[rows, positions // s]
+        window = None
+        if state.windowed:  # the local layers write their slots (the last + 1: dropped)
+            slot = loop.window_page_table[rows, positions // s]
+            window = (jnp.where(running, slot, state.window_pages.shape[2]),
+                      loop.window_page_table)
         hidden, kv = _forward(
             model, impl, mesh, kv, tokens, positions, jnp.where(running, page, p),
             positions % s, loop.page_table, jnp.where(running, positions + 1, 0), cu,
-            jnp.int32(r), decode=True)
+            jnp.int32(r), decode=True, window=window)
         new = sample_tokens(model.logits(hidden), loop.keys, sampling(generated))
         out = out.at[i].set(jnp.where(running, new, -1))
         generated = generated + running.astype(jnp.int32)
@@ -217,13 +264,12 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
 
     out = jnp.full((max_steps, r), -1, jnp.int32)
     carry = (jnp.int32(0), loop.tokens, loop.positions, loop.live & (loop.limit > 0),
-             jnp.zeros_like(loop.live), loop.generated, out, (state.kv_pages, state.kv_scales))
-    _, tokens, positions, _, finished, generated, out, (kv_pages, kv_scales) = \
+             jnp.zeros_like(loop.live), loop.generated, out, _pools(state))
+    _, tokens, positions, _, finished, generated, out, kv = \
         jax.lax.while_loop(cond, body, carry)
     after = loop.replace(tokens=tokens, positions=positions, live=loop.live & ~finished,
                          generated=generated)
-    state = state.replace(kv_pages=kv_pages, kv_scales=kv_scales)
-    return out, after, _keep_layout(state, mesh)
+    return out, after, _keep_layout(_with_pools(state, kv), mesh)
 
 
 def _prompt_logprobs(graphdef, params, hidden, idx, targets, k: int):

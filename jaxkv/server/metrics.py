@@ -55,6 +55,11 @@ class ServerMetrics:
         self.host_pages = gauge("host_kv_pages_used", "Host-tier KV pages holding evicted "
                                 "prefix-cache entries.")
         self.host_bytes = gauge("host_kv_bytes_used", "Bytes of those host-tier pages.")
+        self.window_pinned = gauge("window_kv_slots_used", "Local layers' window slots held "
+                                   "by running requests (window-only KV).")
+        self.window_cached = gauge("window_kv_slots_cached", "Window slots kept only for the "
+                                   "prefix cache (reused by a later hit, else taken back).")
+        self.window_total = gauge("window_kv_slots_total", "Window slots in the pool.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token after the first.")
@@ -84,6 +89,9 @@ class ServerMetrics:
         self.pages_free.set(stats.kv_pages_free)
         self.host_pages.set(stats.host_kv_pages)
         self.host_bytes.set(stats.host_kv_bytes)
+        self.window_pinned.set(stats.window_slots_pinned)
+        self.window_cached.set(stats.window_slots_cached)
+        self.window_total.set(stats.window_slots_total)
 
     def finished(self, output) -> None:
         """Observes a finished RequestOutput's latencies."""

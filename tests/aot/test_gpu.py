@@ -54,8 +54,10 @@ STEPS = [
     aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096, kv_cache_dtype="int8"),
     # Gemma: head_dim 256, local and global layers (two kernels, one per window, switched by
     # the scanned layer's index), Gemma 2's attention soft cap.
-    aot_steps.StepCase("gemma-2-2b", "prefill", 1.0, 512, 16, 8192),
-    aot_steps.StepCase("gemma-3-1b", "decode", 1.0, 64, 64, 8192),
+    aot_steps.StepCase("gemma-2-2b", "prefill", 1.0, 512, 16, 8192, scan=True),
+    aot_steps.StepCase("gemma-3-1b", "decode", 1.0, 64, 64, 8192, scan=True),
+    # Window-only KV: the unrolled local layers read a pool of window slots.
+    aot_steps.StepCase("gemma-3-1b", "decode", 1.0, 64, 64, 32768, scan=False, window_kv=True),
 ]
 
 

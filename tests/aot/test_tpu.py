@@ -174,9 +174,10 @@ STEPS = [
     ("v6e", aot_steps.StepCase("llama-3.2-1b", "prefill", 1.0, 512, 16, 4096, page_size=128,
                                kv_cache_dtype="int8")),
     # Gemma: head_dim 256, local and global layers (two kernels, one per window, switched by
-    # the scanned layer's index), Gemma 2's attention soft cap, Gemma 3's q/k norms.
-    ("v5e", aot_steps.StepCase("gemma-2-2b", "prefill", 1.0, 512, 16, 8192)),
-    ("v6e", aot_steps.StepCase("gemma-3-1b", "decode", 1.0, 64, 64, 8192)),
+    # the scanned layer's index), Gemma 2's attention soft cap, Gemma 3's q/k norms. (Served
+    # unrolled by default, with window-only KV: WINDOW_STEPS.)
+    ("v5e", aot_steps.StepCase("gemma-2-2b", "prefill", 1.0, 512, 16, 8192, scan=True)),
+    ("v6e", aot_steps.StepCase("gemma-3-1b", "decode", 1.0, 64, 64, 8192, scan=True)),
     # Phi-3.5-mini: head_dim 96 (the GPU kernels need a power of two), LongRoPE.
     ("v5e", aot_steps.StepCase("phi-3.5-mini", "decode", 1.0, 64, 64, 8192)),
 ]
@@ -200,6 +201,33 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
         scales = state.kv_scales.size * 4
         i32_copies = [c for c in r.copies if c.shape.startswith("s32[")]
         assert all(c.nbytes < 0.1 * scales for c in i32_copies), i32_copies
+
+
+# Window-only KV (jaxkv.cache.window): Gemma 3's 22 local layers keep their pages in a pool of
+# window slots (what the rows' 512-token windows pin), its 4 global layers in pages; the layers
+# unrolled, each writing and reading its own pool.
+WINDOW_STEPS = [
+    ("v5e", aot_steps.StepCase("gemma-3-1b", "decode", 1.0, 64, 64, 32768, scan=False,
+                               window_kv=True)),
+    ("v6e", aot_steps.StepCase("gemma-3-1b", "prefill", 1.0, 512, 16, 32768, scan=False,
+                               window_kv=True)),
+]
+
+
+@pytest.mark.parametrize("chip, case", [pytest.param(c, s, id=f"{c}-{s.name}".replace(" ", "-"))
+                                        for c, s in WINDOW_STEPS])
+def test_window_kv_step_updates_both_pools_in_place(chip, case, table):
+    """Both pools donated and aliased to the output, and no copy of either (no copy a tenth
+    of the smaller pool, but the sampler's [B, V] f32 logits)."""
+    r, state, pool = _compile_step(chip, case, table)
+    window = aot_steps.pool_bytes((state.window_pages, state.window_scales))
+    smaller = min(window, pool - window)
+    logits = case.rows * aot_steps.config_of(case.model).vocab_size * 4
+    sampler = 12 * logits
+    assert r.alias_bytes >= pool
+    assert r.temp_bytes < 0.1 * smaller + sampler
+    big = [c for c in r.copies if c.nbytes >= 0.1 * smaller and c.nbytes != logits]
+    assert not big, big
 
 
 # Mixtures of experts: a grouped matmul (ragged_dot) over the tokens sorted by expert, the

@@ -56,6 +56,19 @@ def test_tensor_parallel_equals_one_device(config, scan):
     _assert_same(_serve(model, tensor_parallel_size=2), _serve(model))
 
 
+def test_window_only_kv_split_by_head_equals_one_device_keeping_every_token():
+    # unrolled Gemma: its local layers keep only their window, in a pool split by kv head
+    model = jaxkv.random_model(GEMMA, seed=2, scan_layers=False)
+    llm = LLM(model, tensor_parallel_size=2, **SHAPE)
+    window = llm.engine.state.window_pages
+    assert llm.engine.window.num_slots < SHAPE["num_pages"]
+    assert {s.data.shape[1] for s in window.addressable_shards} == {1}  # 2 kv heads, 2 devices
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
+    got = [(o.outputs[0].token_ids, [next(iter(d.values())).logprob
+                                     for d in o.outputs[0].logprobs]) for o in outs]
+    _assert_same(got, _serve(model, window_kv=False))
+
+
 @pytest.mark.parametrize("tp, scan", [(2, False), (4, False), (2, True)])
 def test_expert_parallel_equals_one_device(tp, scan):
     # scanned: every layer MoE, experts stacked [L, X, E, F] and split on X

@@ -16,11 +16,12 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.cache.memory import PRESETS
-from jaxkv.kv import init_state, kv_bytes_per_token
+from jaxkv.cache.window import WindowSlots, slots_needed
+from jaxkv.kv import init_state, kv_specs
 from jaxkv.model.config import ModelConfig, RopeScaling
 from jaxkv.model.llama import Llama, default_scan_layers
 from jaxkv.model.quant import QuantScheme
-from jaxkv.runtime.batch import PageTable, padding_batch
+from jaxkv.runtime.batch import PageTable, WindowTable, padding_batch
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 from pallas_kernels.quant import storage_dtype
@@ -41,13 +42,15 @@ class StepCase:
     kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": quantized pages with scales
     quantization: str | None = None  # weights kept quantized ("int8", "int4-g128", ...)
     scan: bool | None = None  # layers stacked and scanned (None: the GPU/TPU default)
+    window_kv: bool = False  # local layers in their own pool of window slots (unrolled)
 
     @property
     def name(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
         w = "" if self.quantization is None else f" w={self.quantization}"
         scan = "" if self.scan is None else (" scanned" if self.scan else " unrolled")
-        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}{w}{scan}"
+        window = f" window-KV Q={window_slots(self)}" if self.window_kv else ""
+        return f"{self.model} {self.kind} T={self.tokens} B={self.rows}{kv}{w}{scan}{window}"
 
 
 def _gemma(version: int, layers: int, window: int, **options) -> dict:
@@ -123,10 +126,24 @@ def abstract_model(preset: str, dtype: str, quantization: str | None = None,
     return graphdef, params
 
 
+def window_slots(case: StepCase) -> int | None:
+    """The local layers' slots of a window-KV case: what its rows' windows pin at most (one
+    decode step per loop, as on GPU/TPU); None without window-only KV."""
+    if not case.window_kv:
+        return None
+    return slots_needed(config_of(case.model).sliding_window, case.page_size,
+                        max_num_seqs=case.rows, max_num_batched_tokens=case.tokens,
+                        decode_steps=1)
+
+
 def num_pages(case: StepCase) -> int:
-    per_page = kv_bytes_per_token(config_of(case.model), storage_dtype(
-        case.kv_cache_dtype, case.dtype)) * case.page_size
-    return int(case.pool_gib * 2**30) // per_page
+    """Pages of the pool: all of ``pool_gib``, or what the window slots leave of it."""
+    dtype = storage_dtype(case.kv_cache_dtype, case.dtype)
+    full, local = kv_specs(config_of(case.model), dtype, case.window_kv)
+    pool = int(case.pool_gib * 2**30)
+    if case.window_kv:
+        pool -= (window_slots(case) + 1) * local.bytes_per_page(case.page_size)
+    return pool // full.bytes_per_page(case.page_size)
 
 
 def _abstract_state(case: StepCase, impl: str | None = None):
@@ -137,7 +154,8 @@ def _abstract_state(case: StepCase, impl: str | None = None):
     config = config_of(case.model)
     pages = num_pages(case)
     state = jax.eval_shape(lambda: init_state(config, pages, case.page_size,
-                                              jnp.dtype(case.dtype), case.kv_cache_dtype))
+                                              jnp.dtype(case.dtype), case.kv_cache_dtype,
+                                              window_slots(case)))
     return graphdef, params, state, pages, case.max_model_len // case.page_size
 
 
@@ -153,15 +171,23 @@ def step_inputs(case: StepCase, impl: str):
     steps = make_steps(graphdef, impl)
     # "decode" cases: the ragged step with one token per row, what GPU/TPU engines run by
     # default (max_decode_steps=1 there; see jaxkv.engine.Engine).
-    batch = padding_batch(case.tokens, PageTable(case.rows, width, pages, case.page_size))
+    batch = padding_batch(case.tokens, PageTable(case.rows, width, pages, case.page_size),
+                          _window_table(case, width))
     keys = np.zeros((case.rows, 2), np.uint32)
     return steps.step, params, state, batch, keys, SamplingArrays.greedy(case.rows)
 
 
+def _window_table(case: StepCase, width: int) -> WindowTable | None:
+    if not case.window_kv:
+        return None
+    slots = WindowSlots(window_slots(case), config_of(case.model).sliding_window,
+                        case.page_size)
+    return WindowTable(case.rows, width, slots)
+
+
 def pool_bytes(state) -> int:
-    """Bytes of the pool: pages, and scales when quantized."""
-    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize
-               for x in (state.kv_pages, state.kv_scales) if x is not None)
+    """Bytes of the pool: pages, and scales when quantized (both pools with window-only KV)."""
+    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
 
 def loop_inputs(case: StepCase, impl: str, max_steps: int = 8):
@@ -174,5 +200,9 @@ def loop_inputs(case: StepCase, impl: str, max_steps: int = 8):
 
     graphdef, params, state, _, width = _abstract_state(case)
     steps = make_steps(graphdef, impl, None, max_steps)
-    loop = idle_decode_loop(SimpleNamespace(max_pages_per_seq=width), case.rows)
+    table = _window_table(case, width)
+    rows = (lambda r: None) if table is None else \
+        (lambda r: np.full((r, width), table.slots.null, np.int32))
+    loop = idle_decode_loop(SimpleNamespace(max_pages_per_seq=width, window_rows=rows),
+                            case.rows)
     return steps.decode_loop, params, state, loop.replace(num_steps=np.int32(max_steps))
