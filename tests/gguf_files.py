@@ -42,7 +42,46 @@ _LAYER = {
 _SANDWICH = {"post_attention_layernorm.weight": "post_attention_norm.weight",
              "pre_feedforward_layernorm.weight": "ffn_norm.weight",
              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
-_ARCH = {"gemma3_text": "gemma3"}  # HF model_type -> llama.cpp architecture
+_ARCH = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}  # -> llama.cpp
+# Phi-3's fused projections, under llama.cpp's names
+_PHI3 = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+
+
+def _moe_metadata(w, c, arch: str) -> None:
+    """llama.cpp's mixture-of-experts keys (Mixtral's expert width is feed_forward_length)."""
+    w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+
+
+def _phi3_metadata(w, c) -> dict:
+    """llama.cpp's Phi-3 keys; returns LongRoPE's factor tensors (llama.cpp derives the
+    attention factor from the context extension, as HF does when a config names none)."""
+    import math
+
+    rope = c.rope_parameters
+    original = rope["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(c.sliding_window or 0)
+    scale = c.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original))
+                                    if scale > 1 else 1.0)
+    return {"rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
+            "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32)}
+
+
+def _moe_tensors(rest: str, array: np.ndarray):
+    """llama.cpp's names and arrays for one of transformers' MoE tensors: the router, and the
+    experts stacked [X, out, in] (transformers keeps gate and up as one [X, 2F, E])."""
+    if rest == "mlp.gate.weight":
+        return [("ffn_gate_inp.weight", array)]
+    if rest == "mlp.experts.gate_up_proj":
+        gate, up = np.split(array, 2, axis=1)
+        return [("ffn_gate_exps.weight", gate), ("ffn_up_exps.weight", up)]
+    if rest == "mlp.experts.down_proj":
+        return [("ffn_down_exps.weight", array)]
+    return None
 
 
 def _gemma_metadata(w, c, arch: str) -> None:
@@ -87,12 +126,14 @@ def _random_k_blocks(rows: int, cols: int, kind, seed: int) -> np.ndarray:
 
 def _encode(array: np.ndarray, kind, seed: int):
     """(data, raw_dtype) for GGUFWriter.add_tensor, or None to keep the tensor F32."""
-    if kind == Q.F32 or array.ndim != 2:
+    if kind == Q.F32 or array.ndim not in (2, 3):  # 3-D: a mixture's stacked experts
         return None
     block = gguf.GGML_QUANT_SIZES[kind][0]
-    if array.shape[1] % block:
+    if array.shape[-1] % block:
         return None
     if kind in _K_SCALES:
+        if array.ndim == 3:
+            return None
         return _random_k_blocks(*array.shape, kind, seed), kind
     return gguf.quants.quantize(array.astype(np.float32), kind), kind
 
@@ -133,6 +174,12 @@ def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
     w.add_file_type(1 if kind == Q.F16 else 0)
     if getattr(c, "sliding_window", None) and arch == "mistral":
         w.add_sliding_window(c.sliding_window)
+    if "moe" in c.model_type or c.model_type == "mixtral":
+        _moe_metadata(w, c, arch)
+    extra = dict(extra_tensors or {})
+    if arch == "phi3":
+        extra.update({k: (v, Q.F32) for k, v in _phi3_metadata(w, c).items()})
+    extra_tensors = extra
     if tokenizer is not None:
         _add_tokenizer(w, tokenizer, chat_template)
     permute = arch in ("llama", "mistral")
@@ -149,8 +196,16 @@ def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
             gname = "output.weight"
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            moe = _moe_tensors(rest, array)
+            if moe is not None:  # the router and the stacked experts
+                for part, data in moe:
+                    encoded = _encode(data, kinds[seed % len(kinds)], seed)
+                    seed += encoded is not None
+                    _add(w, f"blk.{layer}.{part}", data, encoded)
+                continue
             sandwich = arch in ("gemma2", "gemma3") and rest in _SANDWICH
-            gname = f"blk.{layer}.{(_SANDWICH if sandwich else _LAYER)[rest]}"
+            names = {**_LAYER, **_PHI3} if arch == "phi3" else _LAYER
+            gname = f"blk.{layer}.{(_SANDWICH if sandwich else names)[rest]}"
             if permute and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
                 array = llama_cpp_permute(array, heads if "q_proj" in rest else kv_heads)
         if gemma and name.endswith("norm.weight"):
@@ -159,11 +214,7 @@ def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
             continue
         encoded = _encode(array, kinds[seed % len(kinds)], seed)
         seed += encoded is not None
-        if encoded is None:
-            w.add_tensor(gname, np.ascontiguousarray(array, np.float32))
-        else:
-            data, raw = encoded
-            w.add_tensor(gname, data) if raw == Q.F16 else w.add_tensor(gname, data, raw_dtype=raw)
+        _add(w, gname, array, encoded)
     for gname, (data, raw) in (extra_tensors or {}).items():
         w.add_tensor(gname, data, raw_dtype=raw)
     w.write_header_to_file()
@@ -171,6 +222,14 @@ def write_gguf(hf_model, path: str | Path, *, tensor_type="F32", tokenizer=None,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add(w, gname: str, array: np.ndarray, encoded) -> None:
+    if encoded is None:
+        w.add_tensor(gname, np.ascontiguousarray(array, np.float32))
+    else:
+        data, raw = encoded
+        w.add_tensor(gname, data) if raw == Q.F16 else w.add_tensor(gname, data, raw_dtype=raw)
 
 
 def _add_tokenizer(w, tokenizer_dir: Path, chat_template: str | None) -> None:

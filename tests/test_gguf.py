@@ -84,6 +84,50 @@ def test_gemma_files_load_as_their_source_model(name, tmp_path):
                                rtol=0)
 
 
+@pytest.mark.parametrize("name", ["phi3", "mixtral", "qwen3_moe"])
+def test_phi3_and_moe_files_load_as_their_source_model(name, tmp_path):
+    # llama.cpp's layouts: Phi-3's fused attn_qkv and ffn_up (gate | up), LongRoPE's factors as
+    # tensors with the original context and attention factor as metadata; a mixture's router
+    # (ffn_gate_inp) and experts stacked [X, out, in] (ffn_*_exps), Mixtral as a "llama" file
+    # with q/k permuted, and Qwen3-MoE's dense layer 1 (no ffn_*_exps). llama.cpp renormalizes
+    # Qwen3-MoE's top-k weights, so the source model does too.
+    hf = build_hf_model(name, **(dict(norm_topk_prob=True) if name == "qwen3_moe" else {}))
+    path = write_gguf(hf, tmp_path / f"{name}.gguf")
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert ("blk.0.attn_qkv.weight" in names) == (name == "phi3")
+    assert ("blk.0.ffn_gate_exps.weight" in names) == (name != "phi3")
+    model = jaxkv.load_pretrained(path)
+    from_folder = jaxkv.load_pretrained(save_hf_model(hf, tmp_path / "hf"))
+    c = model.config
+    assert c.rms_norm_eps == pytest.approx(from_folder.config.rms_norm_eps, rel=1e-6)
+    rope, want = c.rope_scaling, from_folder.config.rope_scaling
+    if want is not None:  # LongRoPE's factors went through float32 tensors and metadata
+        floats = ("short_factor", "long_factor", "attention_factor")
+        for f in floats:
+            np.testing.assert_allclose(getattr(rope, f), getattr(want, f), rtol=1e-6, atol=0)
+        assert dataclasses.replace(rope, **{f: getattr(want, f) for f in floats}) == want
+    assert c == dataclasses.replace(
+        from_folder.config, bos_token_id=c.bos_token_id, eos_token_ids=c.eos_token_ids,
+        rms_norm_eps=c.rms_norm_eps, rope_scaling=rope)
+    np.testing.assert_allclose(dense_logits(model, IDS), hf_logits(hf, IDS), atol=LOGIT_ATOL,
+                               rtol=0)
+
+
+def test_quantized_experts_load_expert_by_expert(tmp_path):
+    # Q8_0 experts: each expert's rows dequantized alone equal the whole stacked tensor's
+    hf = build_hf_model("mixtral")
+    path = write_gguf(hf, tmp_path / "mixtral.gguf", tensor_type="Q8_0")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    layers = jaxkv.load_pretrained(path).module().layers
+    for part, name in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
+        t = tensors[f"blk.1.ffn_{part}_exps.weight"]
+        assert t.tensor_type.name == "Q8_0"
+        whole = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+            [int(n) for n in reversed(t.shape)])  # [X, out, in]
+        np.testing.assert_allclose(np.asarray(layers.param(name, 1)[...]),
+                                   whole.transpose(0, 2, 1), rtol=0, atol=0)
+
+
 def test_every_supported_tensor_type_dequantizes_as_transformers(tmp_path):
     hf = build_hf_model("llama_gqa", **WIDE)
     path = write_gguf(hf, tmp_path / "mixed.gguf", tensor_type=list(SUPPORTED_TYPES[1:]))
@@ -147,8 +191,8 @@ def test_a_folder_holding_one_gguf_loads_it(tmp_path):
 
 def test_unsupported_architecture_and_tensor_type_are_named(tmp_path):
     hf = build_hf_model("llama_gqa")
-    with pytest.raises(UnsupportedModelError, match="general.architecture 'phi3'"):
-        jaxkv.load_pretrained(write_gguf(hf, tmp_path / "phi.gguf", architecture="phi3"))
+    with pytest.raises(UnsupportedModelError, match="general.architecture 'falcon'"):
+        jaxkv.load_pretrained(write_gguf(hf, tmp_path / "falcon.gguf", architecture="falcon"))
     q = gguf.GGMLQuantizationType.IQ4_NL
     rows, cols = hf.config.intermediate_size, hf.config.hidden_size  # ffn_up: [128, 64]
     raw = np.zeros((rows, cols // 32 * gguf.GGML_QUANT_SIZES[q][1]), np.uint8)

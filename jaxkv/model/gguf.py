@@ -7,9 +7,13 @@ Here the metadata becomes a `ModelConfig`, each tensor is dequantized to float32
 ``gguf`` package and renamed to its Hugging Face name, so `loading.load_tensors` checks and
 places it exactly as it does a safetensors checkpoint.
 
-llama.cpp's converter permutes the q and k projections of Llama and Mistral models (its RoPE
-rotates interleaved pairs, HF's rotates halves); `_unpermute` undoes that, as transformers'
-own GGUF loader does. Qwen2 and Qwen3 tensors are stored unpermuted.
+llama.cpp's converter permutes the q and k projections of Llama, Mistral and Mixtral models (its
+RoPE rotates interleaved pairs, HF's rotates halves); `_unpermute` undoes that, as transformers'
+own GGUF loader does. Qwen2/3, Qwen3-MoE, Gemma and Phi-3 tensors are stored unpermuted.
+Mixtral is a "llama" file with ``expert_count``; a mixture's experts come stacked in one
+[X, out, in] tensor per matrix (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``) and load
+expert by expert. Phi-3 keeps its fused qkv and gate_up projections (``attn_qkv``, ``ffn_up``)
+and LongRoPE's factors as tensors.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import numpy as np
 from jaxkv.errors import CheckpointError, UnsupportedModelError
 from jaxkv.model.config import ModelConfig, RopeScaling
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+                 "qwen3moe")  # (Mixtral is "llama" with experts)
 _GEMMA = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}  # -> model_type
 # Gemma 2/3: llama.cpp's names of the four norms of a block (HF's names differ from Llama's)
 _SANDWICH_TENSORS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -55,6 +60,17 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Phi-3's fused projections, split on load like its HF checkpoint's (`loading.unfused`)
+_PHI3_TENSORS = {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+                 "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Mixtures of experts: the router, and each expert's matrix in one [X, out, in] tensor
+_MOE_ROUTER = {"mixtral": "block_sparse_moe.gate.weight", "qwen3_moe": "mlp.gate.weight"}
+_MOE_EXPERTS = {"mixtral": {"ffn_gate_exps.weight": "block_sparse_moe.experts.{j}.w1.weight",
+                            "ffn_up_exps.weight": "block_sparse_moe.experts.{j}.w3.weight",
+                            "ffn_down_exps.weight": "block_sparse_moe.experts.{j}.w2.weight"},
+                "qwen3_moe": {"ffn_gate_exps.weight": "mlp.experts.{j}.gate_proj.weight",
+                              "ffn_up_exps.weight": "mlp.experts.{j}.up_proj.weight",
+                              "ffn_down_exps.weight": "mlp.experts.{j}.down_proj.weight"}}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # Llama 3.x files store their RoPE scaling only as per-frequency divisors (`rope_freqs.weight`).
 # They are matched against Llama 3's rule with its published frequency factors (low 1, high 4)
@@ -127,6 +143,8 @@ class GGUFCheckpoint:
         theta = float(self.field(f"{arch}.rope.freq_base", 10000.0))
         eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         window = self.field(f"{arch}.attention.sliding_window")
+        experts = int(self.field(f"{arch}.expert_count", 0) or 0)
+        model_type = {"qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if experts else arch)
         config = ModelConfig(
             vocab_size=vocab,
             hidden_size=hidden,
@@ -141,9 +159,11 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
-            **{"sliding_window": int(window) if window and arch == "mistral" else None,
-               "model_type": arch,
-               **(self._gemma(arch, heads, hidden, head_dim) if arch in _GEMMA else {})},
+            **{"sliding_window": int(window) if window and arch in ("mistral", "phi3")
+               else None,
+               "model_type": model_type,
+               **(self._gemma(arch, heads, hidden, head_dim) if arch in _GEMMA else {}),
+               **(self._experts(arch, experts) if experts else {})},
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         )
@@ -180,7 +200,26 @@ class GGUFCheckpoint:
             out["local_rope_theta"] = float(self.field(f"{arch}.rope.freq_base_swa", 10000.0))
         return out
 
+    def _experts(self, arch: str, experts: int) -> dict:
+        """A mixture of experts as llama.cpp's converter writes it: ``expert_count``,
+        ``expert_used_count``, the experts' width (``expert_feed_forward_length``, Mixtral's
+        ``feed_forward_length``), the top-k weights renormalized (llama.cpp does for both
+        Mixtral and Qwen3-MoE, and records it in ``expert_weights_norm`` when it writes it),
+        and the blocks without expert tensors as dense layers."""
+        layers = int(self.field(f"{arch}.block_count"))
+        width = self.field(f"{arch}.expert_feed_forward_length") or \
+            self.field(f"{arch}.feed_forward_length")
+        norm = self.field(f"{arch}.expert_weights_norm")
+        return dict(num_experts=experts,
+                    num_experts_per_tok=int(self.field(f"{arch}.expert_used_count")),
+                    moe_intermediate_size=int(width),
+                    norm_topk_prob=True if norm is None else bool(norm),
+                    dense_layers=tuple(i for i in range(layers)
+                                       if f"blk.{i}.ffn_gate_exps.weight" not in self.tensors))
+
     def _rope_scaling(self, arch: str, config: ModelConfig) -> RopeScaling | None:
+        if "rope_factors_long.weight" in self.tensors:  # Phi-3's LongRoPE
+            return self._longrope(arch, config)
         kind = self.field(f"{arch}.rope.scaling.type")
         if kind == "linear":
             return RopeScaling("linear", float(self.field(f"{arch}.rope.scaling.factor")))
@@ -200,6 +239,31 @@ class GGUFCheckpoint:
         raise UnsupportedModelError(
             f"GGUF {str(self.path)!r}: tensor rope_freqs.weight matches no Llama-3 RoPE scaling "
             "(factors 2-64, low/high frequency factors 1/4, original context 64-65536)")
+
+    def _longrope(self, arch: str, config: ModelConfig) -> RopeScaling:
+        """Phi-3's LongRoPE: the short and long factors as tensors, the original context and
+        the attention factor as metadata (llama.cpp's converter derives that factor from the
+        extension, as HF does when a config names none)."""
+        import math
+
+        original = int(self.field(f"{arch}.rope.scaling.original_context_length"))
+        factor = config.max_position_embeddings / original
+        attention = self.field(f"{arch}.rope.scaling.attn_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 \
+                else 1.0
+        return RopeScaling("longrope", float(factor), original_max_position_embeddings=original,
+                           short_factor=tuple(map(float, self._array("rope_factors_short.weight"))),
+                           long_factor=tuple(map(float, self._array("rope_factors_long.weight"))),
+                           attention_factor=float(attention))
+
+    def _expert(self, name: str, j: int) -> np.ndarray:
+        """Expert ``j``'s matrix of a stacked [X, out, in] tensor, dequantized alone."""
+        from gguf import quants
+
+        t = self._supported(name)
+        shape = tuple(int(n) for n in reversed(t.shape))[1:]
+        return np.asarray(quants.dequantize(t.data[j], t.tensor_type), np.float32).reshape(shape)
 
     def _kept(self, name: str, heads: int | None):
         """A linear weight as a `QuantizedWeight` ([in, out]): its blocks repacked when jaxkv
@@ -264,9 +328,10 @@ class GGUFCheckpoint:
         (and a quantized embedding / LM head) come as `QuantizedWeight`s in jaxkv's layout
         (`gguf_blocks`), not float."""
         c = self.config
-        permuted = c.model_type in ("llama", "mistral")
+        permuted = c.model_type in ("llama", "mistral", "mixtral")
         for name in self.tensors:
-            if name == "rope_freqs.weight":
+            if name in ("rope_freqs.weight", "rope_factors_long.weight",
+                        "rope_factors_short.weight"):
                 continue  # read into the config's rope_scaling
             if name in _GLOBAL_TENSORS:
                 # The embedding and LM head keep their blocks too (a table [V, E] is a linear
@@ -280,8 +345,19 @@ class GGUFCheckpoint:
                     yield _GLOBAL_TENSORS[name], lambda name=name: self._array(name)
                 continue
             m = _BLOCK.fullmatch(name)
+            if m is not None and c.num_experts and m.group(2) in _MOE_EXPERTS[c.model_type]:
+                # per expert, each dequantized alone (MoE weights load as float)
+                layer, part = m.group(1), _MOE_EXPERTS[c.model_type][m.group(2)]
+                for j in range(c.num_experts):
+                    yield (f"model.layers.{layer}.{part.format(j=j)}",
+                           lambda name=name, j=j: self._expert(name, j))
+                continue
             names = {**_LAYER_TENSORS, **_SANDWICH_TENSORS} if c.sandwich_norm else \
                 _LAYER_TENSORS
+            if c.model_type == "phi3":
+                names = {**names, **_PHI3_TENSORS}
+            if c.num_experts:
+                names = {**names, "ffn_gate_inp.weight": _MOE_ROUTER[c.model_type]}
             if m is None or m.group(2) not in names:
                 yield name, lambda name=name: self._array(name)
                 continue
@@ -291,7 +367,8 @@ class GGUFCheckpoint:
                 continue
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(
                 m.group(2).split(".")[0]) if permuted else None
-            if keep_blocks and key.endswith("_proj.weight"):
+            fused = m.group(2) in _PHI3_TENSORS and c.model_type == "phi3"
+            if keep_blocks and key.endswith("_proj.weight") and not fused:
                 yield key, lambda name=name, heads=heads: self._kept(name, heads)
             elif heads is None:
                 yield key, lambda name=name: self._array(name)
