@@ -231,3 +231,39 @@ def test_the_pool_plan_spends_memory_on_pages_not_on_old_windows(pair):
         assert windowed.pages > full.pages
     else:  # every layer local (Mistral): pages cost nothing, max_num_seqs sequences fit
         assert windowed.full_sequences >= 4 and windowed.window_slots >= 28
+
+
+def test_a_copy_source_freed_by_the_same_plan_keeps_its_slot_until_the_plan_is_built(pair):
+    # P (n = 2, a partly filled last page) forks; next step P copies that shared page on
+    # write, then R's new page finds the pool full and preempts P's sibling, the page's last
+    # holder: the copy's source is freed by the plan that copies it.
+    _, model = pair
+    engine = jaxkv.Engine(model, page_size=8, num_pages=5, num_window_slots=5, max_num_seqs=4,
+                          max_num_batched_tokens=64, max_model_len=64, max_decode_steps=1,
+                          enable_prefix_caching=False, warmup=False)
+    sp = dict(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("P", prompt_token_ids=PROMPTS[0][:13],
+                       sampling_params=jaxkv.SamplingParams(n=2, **sp))
+    engine.add_request("R", prompt_token_ids=PROMPTS[3][:16],
+                       sampling_params=jaxkv.SamplingParams(**sp))
+    final = drive(engine)
+    assert engine.stats().preemptions > 0
+    assert engine.window.num_pinned == 0 and engine.allocator.num_free == 5
+    alone = jaxkv.Engine(model, **dict(SHAPE, enable_prefix_caching=False), window_kv=False)
+    alone.add_request("P", prompt_token_ids=PROMPTS[0][:13],
+                      sampling_params=jaxkv.SamplingParams(n=2, **sp))
+    want = drive(alone)["P"].outputs
+    assert [c.token_ids for c in final["P"].outputs] == [c.token_ids for c in want]
+
+
+def test_the_plan_keeps_every_token_where_the_windows_would_cost_as_much(pair):
+    # 20 pages of every layer fit; the windows of 4 sequences need 28 slots
+    _, model = pair
+    c = model.config
+    page = c.num_layers * c.num_kv_heads * 2 * c.head_dim * 4 * 8  # fp32, every layer
+    cfg = EngineConfig.from_kwargs(page_size=8, max_num_seqs=4, max_model_len=160,
+                                   max_num_batched_tokens=32, max_decode_steps=4,
+                                   kv_cache_memory_bytes=20 * page)
+    plan = plan_kv_pool(model, cfg, 1, None)
+    assert (plan.window_slots, plan.pages, plan.bytes_per_token * 8) == (0, 20, page)
+    assert plan.bytes <= 20 * page

@@ -37,22 +37,22 @@ def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolP
 
     With window-only KV the local layers' slots come first (what ``max_num_seqs`` windows
     pin), pages of the full-attention layers take the rest, and what the page cap leaves
-    goes back to slots (cache for windows of finished requests)."""
+    goes back to slots (cache for windows of finished requests). Where the windows' slots
+    would cost as much as keeping every token (a pool no bigger than they are), every layer
+    keeps every token."""
     cache, sched = config.cache, config.scheduler
-    page_size, num_pages = cache.page_size, cache.num_pages
+    page_size = cache.page_size
     need = window_need(model, config)
     try:
         stored = storage_dtype(cache.kv_cache_dtype, model.dtype)
-        full_spec, window_spec = kv_specs(model.config, stored, need is not None)
+        every, _ = kv_specs(model.config, stored, False)
+        full_spec, window_spec = kv_specs(model.config, stored, True)
     except ValueError as e:
         raise ValueError(f"LLM: {e}") from None
-    per_token = full_spec.replicated(tp)  # per replica
-    page_bytes = per_token * page_size
-    slot_bytes = window_spec.replicated(tp) * page_size if need else 0
     longest = sched.max_model_len or model.config.max_position_embeddings
     cap = sched.max_num_seqs * cdiv(longest, page_size) + 1  # max_num_seqs full sequences
-    source, slots = "num_pages", need
-    if num_pages is None:
+    memory, source = None, "num_pages"
+    if cache.num_pages is None:
         if cache.kv_cache_memory_bytes is None:
             budget = kv_budget(model.config, fraction=cache.kv_cache_memory_fraction,
                                max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -62,24 +62,22 @@ def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolP
             memory, source = budget.bytes, budget.source
         else:
             memory, source = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        pages_memory = memory - ((need or 0) + 1) * slot_bytes if need else memory
+    # every layer keeping every token: the pool, and the yardstick of window-only KV's
+    plain = _pages(memory, every.replicated(tp) * page_size, cap, cache, stored) \
+        if memory is not None else cache.num_pages
+    if need is not None and cache.num_window_slots is None and need >= plain:
+        need = None  # the windows' slots would cost what keeping every token does
+    per_token = (full_spec if need else every).replicated(tp)  # per replica
+    page_bytes = per_token * page_size
+    slot_bytes = window_spec.replicated(tp) * page_size if need else 0
+    num_pages, slots = plain, need
+    if need and memory is not None:
         # every layer local (Mistral): pages cost nothing, their windows' slots do
-        num_pages = pages_memory // page_bytes if page_bytes else cap + (need or 0)
-        if num_pages < 1:
-            raise ValueError(f"kv_cache_memory_bytes={memory} holds no page of "
-                             f"{page_bytes} bytes" + (f" beside {need} window slots of "
-                                                      f"{slot_bytes} bytes" if need else ""))
-        if cache.kv_cache_memory_bytes is None:
-            num_pages = min(num_pages, cap)
-        g = pages_per_scale_row(page_size)
-        if is_quantized(stored) and num_pages >= g:
-            num_pages -= num_pages % g
-        if need and cache.num_window_slots is None:  # the rest holds windows for the cache
+        num_pages = _pages(memory - (need + 1) * slot_bytes, page_bytes, cap, cache, stored) \
+            if page_bytes else cap + need
+        if cache.num_window_slots is None:  # the rest holds windows for the cache
             left = memory - num_pages * page_bytes - (need + 1) * slot_bytes
             slots = need + max(0, left) // slot_bytes
-    if slots is not None and cache.num_pages is not None and cache.num_window_slots is None \
-            and slots >= num_pages:
-        slots = None  # as many slots as pages: keeping every token costs the same
     if slots is not None:
         slots = min(slots, num_pages)  # one slot per page at most
     max_model_len = sched.max_model_len
@@ -99,6 +97,21 @@ def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolP
     return pool
 
 
+def _pages(memory: int, page_bytes: int, cap: int, cache, stored) -> int:
+    """Pages of ``page_bytes`` that ``memory`` holds (ValueError if none), at most ``cap``
+    when sized from the device (not ``kv_cache_memory_bytes``), in whole rows of scale words
+    for quantized pages."""
+    pages = memory // page_bytes
+    if pages < 1:
+        raise ValueError(f"kv_cache_memory_bytes={memory} holds no page of {page_bytes} bytes")
+    if cache.kv_cache_memory_bytes is None:
+        pages = min(pages, cap)
+    g = pages_per_scale_row(cache.page_size)
+    if is_quantized(stored) and pages >= g:
+        pages -= pages % g
+    return pages
+
+
 def window_need(model: Model, config: EngineConfig, max_model_len: int | None = None
                 ) -> int | None:
     """Slots the local layers' pool needs with window-only KV (`jaxkv.cache.window`): the
@@ -110,15 +123,14 @@ def window_need(model: Model, config: EngineConfig, max_model_len: int | None = 
     c, cache, sched = model.config, config.cache, config.scheduler
     w, s = c.sliding_window, cache.page_size
     longest = max_model_len or sched.max_model_len or c.max_position_embeddings
+    given = cache.num_window_slots  # (LLM's plan: kept whatever the pool's max_model_len)
     if (not cache.window_kv or w is None or not any(c.is_sliding(i) for i in range(c.num_layers))
-            or cache.host_kv_cache_bytes or w < s or longest <= w):
+            or cache.host_kv_cache_bytes or w < s or (longest <= w and given is None)):
         return None
     module = model.module()
     if not isinstance(module, Llama) or module.layers.scan:
         return None
-    if cache.num_window_slots is not None:
-        return cache.num_window_slots
-    return _slots_needed(c, config)
+    return given if given is not None else _slots_needed(c, config)
 
 
 def _slots_needed(c, config: EngineConfig) -> int:

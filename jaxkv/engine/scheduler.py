@@ -99,28 +99,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plans one step; allocates (and may evict or preempt) the pages it needs."""
         out, budget, scheduled = SchedulerOutput(), self.max_num_batched_tokens, set()
-        for decode in (True, False):
-            queue = list(self.running)
-            if decode and len(queue) > budget:
-                decodes = [r for r in queue if r.num_pending_tokens == 1]
-                if len(decodes) > budget:  # take turns: start after the last one served
-                    k = self._decode_turn % len(decodes)
-                    queue = decodes[k:] + decodes[:k]
-                    self._decode_turn = k + budget
-            for req in queue:
-                if budget == 0:
-                    break
-                if (req.status is not RequestStatus.RUNNING or req in scheduled
-                        or decode != (req.num_pending_tokens == 1)):
-                    continue
-                n = min(req.num_pending_tokens, budget)
-                if self._grow(req, n, scheduled, out):
-                    (out.decode_rows if decode else out.prefill_rows).append(self._row(req, n))
-                    scheduled.add(req)
-                    budget -= n
-        if not out.preempted:
-            self._admit_waiting(budget, out)
-        self._window_copies(out)
+        try:
+            for decode in (True, False):
+                queue = list(self.running)
+                if decode and len(queue) > budget:
+                    decodes = [r for r in queue if r.num_pending_tokens == 1]
+                    if len(decodes) > budget:  # take turns: start after the last one served
+                        k = self._decode_turn % len(decodes)
+                        queue = decodes[k:] + decodes[:k]
+                        self._decode_turn = k + budget
+                for req in queue:
+                    if budget == 0:
+                        break
+                    if (req.status is not RequestStatus.RUNNING or req in scheduled
+                            or decode != (req.num_pending_tokens == 1)):
+                        continue
+                    n = min(req.num_pending_tokens, budget)
+                    if self._grow(req, n, scheduled, out):
+                        (out.decode_rows if decode else out.prefill_rows).append(self._row(req, n))
+                        scheduled.add(req)
+                        budget -= n
+            if not out.preempted:
+                self._admit_waiting(budget, out)
+            self._window_copies(out)
+        finally:  # (also when planning failed: no pin or reference outlives the plan)
+            self._release_copy_sources()
         return out
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
@@ -165,22 +168,28 @@ class Scheduler:
         return True
 
     def _copy(self, src: int, dst: int, out: SchedulerOutput) -> None:
-        """Plans a device copy of page ``src`` into ``dst``; with window-only KV, ``src``'s
-        slot stays pinned until the plan is built, so its contents are still there to copy."""
+        """Plans a device copy of page ``src`` into ``dst``. With window-only KV, ``src`` and
+        its slot are held until the plan is built (a reference and a pin), so neither is freed
+        or handed to another page before `_window_copies` reads where it is."""
         out.copies.append((src, dst))
         if self.window is not None and self.window.pin_if_held(src):
+            self.allocator.share([src])
             self._copy_sources.append(src)
 
     def _window_copies(self, out: SchedulerOutput) -> None:
         """The plan's copies in the local layers' pool (slot pairs), where the source has a
-        slot; then lets go of the sources' pins."""
+        slot."""
         w = self.window
-        if w is None:
-            return
-        out.window_copies = [(w.slot_of[s], w.slot_of[d]) for s, d in out.copies
-                             if s in w.slot_of and d in w.slot_of]
+        if w is not None:
+            out.window_copies = [(w.slot_of[s], w.slot_of[d]) for s, d in out.copies
+                                 if s in w.slot_of and d in w.slot_of]
+
+    def _release_copy_sources(self) -> None:
+        """Lets go of what `_copy` held (a page freed meanwhile by the plan goes now: its
+        contents stay for the copies, which run before anything reuses it)."""
         for page in self._copy_sources:
-            w.unpin(page)
+            self.window.unpin(page)
+            self.allocator.free([page])
         self._copy_sources = []
 
     def _hold_window(self, req: Request) -> None:
