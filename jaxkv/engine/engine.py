@@ -29,7 +29,7 @@ from jaxkv.cache.prefix import NullPrefixCache
 from jaxkv.cache.radix import RadixCache
 from jaxkv.cache.window import WindowSlots
 from jaxkv.config import EngineConfig, field_sections, unknown_setting
-from jaxkv.engine import intake, launch, weights
+from jaxkv.engine import intake, launch, recovery, weights
 from jaxkv.engine.client import Dispatched
 from jaxkv.engine.connector import SchedulerConnector
 from jaxkv.engine.host_tier import tier_stats
@@ -421,26 +421,11 @@ class Engine:
         return outputs
 
     def recover(self) -> bool:
-        """After a failed device call (a step, or a copy a caller ran, e.g. `jaxkv.disagg`'s
-        transfers): rebuilds a KV state the failure lost (the running requests recompute from
-        their tokens, as after a preemption), drops prefix entries a failed run of host copies
-        left unfilled, and the host tier (a copy to or from it may not have run). Returns
-        whether the state was lost."""
-        lost, host = self.runner.state_lost(), self.runner.host_pool
+        """After a failed device call: rebuilds what it lost (`jaxkv.engine.recovery`);
+        returns whether the KV state was lost."""
+        lost = recovery.recover(self)
         if lost:
             self._inflight = None  # a loop on the lost state: its tokens are never read
-            self.scheduler.preempt_all()  # their KV is gone: recompute from their tokens
-            self.radix.clear()
-            if self.runner.debug_nan_freed_pages:
-                self.allocator.drain_freed()  # the new state starts zeroed
-            self.runner.state = self.runner.new_state()
-            self.state_resets += 1  # (a DisaggregatedEngine's hand-offs lost their KV too)
-        elif host is not None and host.loads_skipped:  # entries promoted for loads that never
-            self.radix.clear()  # ran: only the failed requests held them, so every such goes
-        if host is not None:
-            self.radix.drop_host_tier()
-            self.radix.take_transfers()
-            host.discard()
         return lost
 
     def stats(self) -> EngineStats:
@@ -461,4 +446,4 @@ class Engine:
         self.allocator.check(holders=self.scheduler.holders())
         self.radix.check()
         if self.window is not None:
-            self.window.check(holders=self.scheduler.window_holders())
+            self.window.check(holders=self.scheduler.pins.holders(self.scheduler.running))

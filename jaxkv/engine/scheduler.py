@@ -42,7 +42,6 @@ step that preempted admits nothing, so a victim is not re-admitted at once.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Sequence
 
 from jaxkv.cache.allocator import PageAllocator
@@ -52,6 +51,7 @@ from jaxkv.config import cdiv
 from jaxkv.engine.connector import NullConnector, SchedulerConnector
 from jaxkv.engine.plan import ScheduledRow, SchedulerCounters, SchedulerOutput
 from jaxkv.engine.request import Request, RequestStatus, cache_namespace
+from jaxkv.engine.window_pins import WindowPins
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
 MAX_SKIPS = 16  # steps that admit a later arrival ahead of a waiting sequence, before it goes first
@@ -84,9 +84,7 @@ class Scheduler:
         self.connector: SchedulerConnector = NullConnector()
         # Window-only KV: the local layers' slots (None: every layer keeps every page).
         self.window = window
-        if window is not None:
-            allocator.on_free = window.dropped
-        self._copy_sources: list[int] = []  # pinned while a plan is built (window copies)
+        self.pins = WindowPins(window, allocator)  # its slots' holders (window-only KV)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -121,9 +119,9 @@ class Scheduler:
                         budget -= n
             if not out.preempted:
                 self._admit_waiting(budget, out)
-            self._window_copies(out)
+            self.pins.plan_copies(out)
         finally:  # (also when planning failed: no pin or reference outlives the plan)
-            self._release_copy_sources()
+            self.pins.release_sources()
         return out
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
@@ -156,63 +154,13 @@ class Scheduler:
         if cow is not None:
             page, copied = self.allocator.copy_on_write(req.pages[cow])
             if copied:
-                self._copy(req.pages[cow], page, out)
-                lo, hi = req.window_pins
-                if lo <= cow < hi:  # the sequence's pin moves to its private copy
-                    self.window.unpin(req.pages[cow])
-                    self.window.pin(page)
+                self.pins.copy(req.pages[cow], page, out)
+                self.pins.moved(req, cow, page)
                 req.pages[cow] = page
             need -= 1
         req.pages += self.allocator.allocate(need)
-        self._hold_window(req)
+        self.pins.hold(req)
         return True
-
-    def _copy(self, src: int, dst: int, out: SchedulerOutput) -> None:
-        """Plans a device copy of page ``src`` into ``dst``. With window-only KV, ``src`` and
-        its slot are held until the plan is built (a reference and a pin), so neither is freed
-        or handed to another page before `_window_copies` reads where it is."""
-        out.copies.append((src, dst))
-        if self.window is not None and self.window.pin_if_held(src):
-            self.allocator.share([src])
-            self._copy_sources.append(src)
-
-    def _window_copies(self, out: SchedulerOutput) -> None:
-        """The plan's copies in the local layers' pool (slot pairs), where the source has a
-        slot."""
-        w = self.window
-        if w is not None:
-            out.window_copies = [(w.slot_of[s], w.slot_of[d]) for s, d in out.copies
-                                 if s in w.slot_of and d in w.slot_of]
-
-    def _release_copy_sources(self) -> None:
-        """Lets go of what `_copy` held (a page freed meanwhile by the plan goes now: its
-        contents stay for the copies, which run before anything reuses it)."""
-        for page in self._copy_sources:
-            self.window.unpin(page)
-            self.allocator.free([page])
-        self._copy_sources = []
-
-    def _hold_window(self, req: Request) -> None:
-        """Pins the local-layer slots of ``req``'s pages from the first its next query sees
-        to its last, and unpins those before (window-only KV; no-op otherwise)."""
-        w = self.window
-        if w is None:
-            return
-        lo, hi = req.window_pins
-        new_lo = w.first_page(req.num_computed_tokens)
-        new_lo, new_hi = (max(lo, new_lo) if hi > lo else new_lo), len(req.pages)
-        for i in _outside(lo, hi, new_lo, new_hi):
-            w.unpin(req.pages[i])
-        for i in _outside(new_lo, new_hi, lo, hi):
-            w.pin(req.pages[i])
-        req.window_pins = (new_lo, new_hi)
-
-    def _drop_window(self, req: Request) -> None:
-        if self.window is not None:
-            lo, hi = req.window_pins
-            for i in range(lo, hi):
-                self.window.unpin(req.pages[i])
-        req.window_pins = (0, 0)
 
     def make_room(self, need: int) -> bool:
         """Evicts from the prefix cache until ``need`` pages are free, or nothing is left to
@@ -287,8 +235,8 @@ class Scheduler:
             # an admission retried every step under memory pressure counts once.
             match = self.radix.match_prefix(tokens[:-1], space, peek=True)
             cached = match.num_tokens if reuse_partial else match.num_tokens // s * s
-            if self.window is not None:  # its local layers read the window before it
-                cached = self.window.usable_prefix(match.pages, cached)
+            # window-only KV: its local layers read the window before it
+            cached = self.pins.usable_prefix(match.pages, cached)
         full, locked = cached // s, reuse_partial and cached > 0
         shared = list(match.pages[:full]) if match else []
         if locked:  # keeps the matched path, the partly matched page included, from eviction
@@ -307,9 +255,9 @@ class Scheduler:
             self.allocator.share(shared)
         fresh = self.allocator.allocate(need)
         if cached % s:  # token-exact reuse: copy the matched part of the last page
-            self._copy(match.pages[full], fresh[0], out)
+            self.pins.copy(match.pages[full], fresh[0], out)
         req.pages, req.num_computed_tokens = shared + fresh, cached
-        self._hold_window(req)
+        self.pins.hold(req)
         req.kv_version = self.weight_version
         req.prefix_handle = match.handle if locked else None
         req.prefill_end, req.status = len(tokens), RequestStatus.RUNNING
@@ -340,7 +288,7 @@ class Scheduler:
             end = row.start + len(row.tokens)
             req.num_computed_tokens = end
             if req.status is RequestStatus.RUNNING:
-                self._hold_window(req)  # what its next query no longer sees
+                self.pins.hold(req)  # what its next query no longer sees
             self.counters.computed_prompt_tokens += max(0, min(req.prefill_end, end) - row.start)
             if row.start < req.prefill_end:
                 self.cache_full_pages(req)
@@ -383,7 +331,7 @@ class Scheduler:
                 want = max(0, min(want, len(req.pages) * s - start))  # what its pages hold
             if extra > 0:
                 req.pages += self.allocator.allocate(extra)
-                self._hold_window(req)
+                self.pins.hold(req)
             limits.append(want)
         return limits
 
@@ -405,7 +353,7 @@ class Scheduler:
                 if self._take_token(req, token, now):
                     break
             if req.status is RequestStatus.RUNNING:
-                self._hold_window(req)
+                self.pins.hold(req)
             if toks:
                 progressed.append(req)
         return progressed
@@ -428,10 +376,7 @@ class Scheduler:
             sib.prefill_end = parent.prefill_end
             sib.num_cached_tokens, sib.status = parent.num_cached_tokens, RequestStatus.RUNNING
             sib.kv_version = parent.kv_version
-            if self.window is not None:
-                lo, hi = sib.window_pins = parent.window_pins
-                for page in parent.pages[lo:hi]:
-                    self.window.pin(page)
+            self.pins.fork(parent, sib)
             self.running.append(sib)
         parent.forks = []
 
@@ -471,7 +416,7 @@ class Scheduler:
         if cache and n:
             self.radix.insert(req.token_ids[:n], req.pages[:cdiv(n, self.page_size)],
                               req.cache_namespace)
-        self._drop_window(req)
+        self.pins.drop(req)
         self.allocator.free(req.pages)
         req.pages, req.pages_offered = [], 0
         if req.prefix_handle is not None:
@@ -490,11 +435,6 @@ class Scheduler:
         held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
         return held
 
-    def window_holders(self) -> list[list[int]]:
-        """The pages whose local-layer slot each running sequence pins (window-only KV), for
-        ``WindowSlots.check(holders=...)``."""
-        return [r.pages[slice(*r.window_pins)] for r in self.running]
-
     def page_usage(self) -> tuple[int, int]:
         """(pages held by running sequences and by requests in a prefill-to-decode transfer,
         pages held only by the prefix cache)."""
@@ -503,9 +443,3 @@ class Scheduler:
         cached = set(self.radix.held_pages()) - used
         return len(used), len(cached)
 
-
-def _outside(lo: int, hi: int, other_lo: int, other_hi: int):
-    """Indices of [lo, hi) outside [other_lo, other_hi)."""
-    if other_hi <= other_lo:
-        return range(lo, hi)
-    return itertools.chain(range(lo, min(hi, other_lo)), range(max(lo, other_hi), hi))
