@@ -99,7 +99,7 @@ def sample_keys(engine_seed: int, sp, index: int) -> list[np.ndarray]:
     return [np.asarray(jax.random.fold_in(base, j), np.uint32) for j in range(sp.n)]
 
 
-def _inverse_cdf(x, u):
+def inverse_cdf(x, u):
     """Index drawn from softmax(x) per row (x f32[B, V], -inf = excluded; u f32[B] in [0, 1))."""
     b, v = x.shape
     block = min(CDF_BLOCK, v)
@@ -131,7 +131,7 @@ def _bisect(x, lo, hi, keep_enough):
     return lo
 
 
-def _threshold(x, top_k, top_p):
+def keep_threshold(x, top_k, top_p):
     """Per-row threshold on scaled logits x f32[B, V] that keeps top-k, then the nucleus."""
     b, v = x.shape
     cap = min(TOP_K_CAP, v)
@@ -181,10 +181,10 @@ def sample_tokens(logits, keys, sampling: SamplingArrays):
         x = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
         filtered = (sampling.top_k > 0) | (sampling.top_p < 1)
         thr = jax.lax.cond(jnp.any(filtered & hot),
-                           lambda: _threshold(x, sampling.top_k, sampling.top_p),
+                           lambda: keep_threshold(x, sampling.top_k, sampling.top_p),
                            lambda: jnp.full(x.shape[:1], -jnp.inf))
         x = jnp.where(x >= thr[:, None], x, -jnp.inf)
-        drawn = _inverse_cdf(x, u)
+        drawn = inverse_cdf(x, u)
         # The argmax pass only when some row is greedy.
         return jnp.where(hot, drawn, jax.lax.cond(jnp.all(hot), lambda: drawn, greedy))
 
