@@ -19,6 +19,14 @@ from jaxkv.config import EngineConfig
 from jaxkv.engine.pool_plan import plan_kv_pool
 from jaxkv.runtime.batch import WindowTable
 
+# make test's time: one of each engine check per model in CI; the rest under -m slow
+# (tests/conftest.py reads SLOW).
+SLOW = {"test_window_kv_serves_exactly_what_keeping_every_token_serves[gemma3-auto]",
+        "test_window_kv_serves_exactly_what_keeping_every_token_serves[mistral_swa-int8]",
+        "test_a_copy_source_freed_by_the_same_plan_keeps_its_slot_until_the_plan_is_built"
+        "[mistral_swa]",
+        "test_a_long_generation_pins_only_its_window[mistral_swa]"}
+
 # ---- the host books --------------------------------------------------------------------
 
 
