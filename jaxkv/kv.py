@@ -86,13 +86,12 @@ class PagedKVState:
 
     def validate_for(self, config: ModelConfig) -> None:
         """Checks that this state can hold the KV of `config`'s model."""
-        layers = pool_layers(config, self.windowed)
-        full = sum(pool == "kv" for pool, _ in layers)
+        full, local = pool_sizes(config, self.windowed)
         want = (full, config.num_kv_heads, self.num_pages, self.page_size, 2 * config.head_dim)
         _check("kv_pages", chex.assert_shape, self.kv_pages, want)
         if self.windowed:
-            want = (len(layers) - full, config.num_kv_heads, self.window_pages.shape[2],
-                    self.page_size, 2 * config.head_dim)
+            want = (local, config.num_kv_heads, self.window_pages.shape[2], self.page_size,
+                    2 * config.head_dim)
             _check("window_pages", chex.assert_shape, self.window_pages, want)
 
     num_layers = property(lambda self: self.kv_pages.shape[0])
@@ -122,6 +121,12 @@ def _validate_pool(name: str, kv, sc) -> None:
                        f"then values), got {kv.shape[4]}")
 
 
+def pool_sizes(config: ModelConfig, windowed: bool) -> tuple[int, int]:
+    """(layers in ``kv_pages``, layers in ``window_pages``)."""
+    local = config.num_local_layers if windowed else 0
+    return config.num_layers - local, local
+
+
 def pool_layers(config: ModelConfig, windowed: bool) -> tuple[tuple[str, int], ...]:
     """Where each layer's KV lives: ("kv", i) is layer i of ``kv_pages``, ("window", i) of
     ``window_pages`` (window-only KV: the local layers, in order)."""
@@ -143,10 +148,10 @@ def kv_spec(config: ModelConfig, dtype) -> KVSpec:
 def kv_specs(config: ModelConfig, dtype, windowed: bool) -> tuple[KVSpec, KVSpec]:
     """(full-attention layers, local layers) KV specs in pages of ``dtype``: with window-only
     KV the local layers are a pool of their own; without, the first holds every layer."""
-    full = sum(pool == "kv" for pool, _ in pool_layers(config, windowed))
+    full, local = pool_sizes(config, windowed)
     spec = kv_spec(config, dtype)
     return (dataclasses.replace(spec, num_layers=full),
-            dataclasses.replace(spec, num_layers=config.num_layers - full))
+            dataclasses.replace(spec, num_layers=local))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
@@ -162,7 +167,7 @@ def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
     checks = [("num_pages", num_pages), ("page_size", page_size)]
     if window_slots is not None:
         checks.append(("window_slots", window_slots))
-        if not any(config.is_sliding(i) for i in range(config.num_layers)):
+        if not config.num_local_layers:
             raise ValueError("init_state: window_slots is given, but the model has no local "
                              "(sliding-window) layers")
     for name, value in checks:
@@ -171,17 +176,16 @@ def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
     if page_size & (page_size - 1):
         raise ValueError(f"init_state: page_size must be a power of two, got {page_size}")
     stored = storage_dtype(kv_cache_dtype, dtype)
-    layers = pool_layers(config, window_slots is not None)
+    full, local = pool_sizes(config, window_slots is not None)
 
-    def pool(name, pages):
-        n = sum(p == name for p, _ in layers)
+    def pool(n, pages):
         shape = (n, config.num_kv_heads, pages, page_size, 2 * config.head_dim)
         scales = jnp.zeros(scale_rows_shape(shape), SCALE_DTYPE) if is_quantized(stored) \
             else None
         return jnp.zeros(shape, stored), scales
 
-    kv_pages, kv_scales = pool("kv", num_pages)
-    window = pool("window", window_slots + 1) if window_slots is not None else (None, None)
+    kv_pages, kv_scales = pool(full, num_pages)
+    window = pool(local, window_slots + 1) if window_slots is not None else (None, None)
     return PagedKVState(kv_pages=kv_pages, kv_scales=kv_scales, window_pages=window[0],
                         window_scales=window[1])
 

@@ -144,7 +144,7 @@ def test_local_layers_store_only_their_window_and_match_transformers(pair):
     engine, outs = _serve(model, PROMPTS, sp)
     w = engine.window
     assert w is not None and w.num_slots == 28 < engine.num_pages
-    local = sum(model.config.is_sliding(i) for i in range(model.config.num_layers))
+    local = model.config.num_local_layers
     assert engine.state.window_pages.shape[:3] == (local, model.config.num_kv_heads, 29)
     assert engine.state.kv_pages.shape[0] == model.config.num_layers - local
     stats = engine.stats()

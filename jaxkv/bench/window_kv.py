@@ -109,7 +109,7 @@ def run(args) -> dict:
     model = _model(args.layers, args.window, args.max_model_len)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 4096, args.prompt_len).tolist() for _ in range(args.batch)]
-    local = sum(model.config.is_sliding(i) for i in range(model.config.num_layers))
+    local = model.config.num_local_layers
     print(f"\nMeasured: a Gemma-3-like model ({local} of {model.config.num_layers} layers local, "
           f"window {args.window}, fp32 KV), LLM defaults with {args.kv_memory_mib} MiB of KV, "
           f"{args.batch} prompts of {args.prompt_len} tokens, {args.new_tokens} new each")

@@ -68,8 +68,7 @@ class ModelShape:
         """The shape of a `jaxkv.ModelConfig` (a loaded model's)."""
         fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)
                   if f.name not in ("name", "local_layers")}
-        local = sum(config.is_sliding(i) for i in range(config.num_layers))
-        return cls(name, **fields, local_layers=local)
+        return cls(name, **fields, local_layers=config.num_local_layers)
 
     @classmethod
     def from_hf_config(cls, path_or_dict, name: str | None = None) -> ModelShape:

@@ -45,7 +45,7 @@ def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolP
     need = window_need(model, config)
     try:
         stored = storage_dtype(cache.kv_cache_dtype, model.dtype)
-        every, _ = kv_specs(model.config, stored, False)
+        every = kv_spec(model.config, stored)
         full_spec, window_spec = kv_specs(model.config, stored, True)
     except ValueError as e:
         raise ValueError(f"LLM: {e}") from None
@@ -124,8 +124,8 @@ def window_need(model: Model, config: EngineConfig, max_model_len: int | None = 
     w, s = c.sliding_window, cache.page_size
     longest = max_model_len or sched.max_model_len or c.max_position_embeddings
     given = cache.num_window_slots  # (LLM's plan: kept whatever the pool's max_model_len)
-    if (not cache.window_kv or w is None or not any(c.is_sliding(i) for i in range(c.num_layers))
-            or cache.host_kv_cache_bytes or w < s or (longest <= w and given is None)):
+    if (not cache.window_kv or w is None or not c.num_local_layers or cache.host_kv_cache_bytes
+            or w < s or (longest <= w and given is None)):
         return None
     module = model.module()
     if not isinstance(module, Llama) or module.layers.scan:

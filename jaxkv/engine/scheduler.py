@@ -82,9 +82,8 @@ class Scheduler:
         # Where a request's KV goes when it leaves before finishing (`jaxkv.engine.connector`;
         # prefill/decode disaggregation plugs one in).
         self.connector: SchedulerConnector = NullConnector()
-        # Window-only KV: the local layers' slots (None: every layer keeps every page).
-        self.window = window
-        self.pins = WindowPins(window, allocator)  # its slots' holders (window-only KV)
+        # Window-only KV: who holds the local layers' slots (no-op without `window`).
+        self.pins = WindowPins(window, allocator)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -442,4 +441,3 @@ class Scheduler:
         used |= {p for pages in self.connector.held_pages() for p in pages}
         cached = set(self.radix.held_pages()) - used
         return len(used), len(cached)
-

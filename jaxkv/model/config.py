@@ -139,6 +139,9 @@ class ModelConfig:
         """The sliding window of layer ``layer`` (None: it sees the whole sequence)."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    # layers that attend through a sliding window
+    num_local_layers = property(lambda self: sum(map(self.is_sliding, range(self.num_layers))))
+
     @property
     def windows(self) -> tuple[int | None, ...]:
         """Every layer's window, in layer order."""

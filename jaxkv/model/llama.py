@@ -64,8 +64,7 @@ def default_scan_layers(config: ModelConfig, platform: str) -> bool:
     their window's KV in a pool of their own (`jaxkv.cache.window`), which each layer must pick
     statically. On CPU layers are unrolled (see `DecoderLayers`)."""
     w = config.sliding_window  # (Phi-3.5's 262144 reaches past its context: no local layer)
-    local = w is not None and w < config.max_position_embeddings and any(
-        config.is_sliding(i) for i in range(config.num_layers))
+    local = w is not None and w < config.max_position_embeddings and config.num_local_layers
     return platform != "cpu" and not config.num_experts and not local
 
 

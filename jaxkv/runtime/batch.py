@@ -148,9 +148,6 @@ class WindowTable:
             raise ValueError(f"slot {slot}: page {e.args[0]} has no window slot") from None
         self._owner[slot], self._first[slot], self._written[slot] = owner, first, len(pages)
 
-    def forget(self, slot: int) -> None:
-        self._owner[slot], self._written[slot] = None, 0
-
 
 def build_batch(rows: Sequence[Row], table: PageTable, *, tokens_bucket: int,
                 vocab_size: int | None = None, window: WindowTable | None = None
