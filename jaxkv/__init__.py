@@ -16,6 +16,7 @@ from jaxkv.config import (
     ParallelConfig,
     RuntimeConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from jaxkv.disagg import DisaggregatedEngine
 from jaxkv.engine.client import EngineClient
@@ -61,6 +62,7 @@ __all__ = [
     "RuntimeConfig",
     "SamplingParams",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "UnsupportedModelError",
     "generate",
     "generate_no_cache",

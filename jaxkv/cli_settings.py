@@ -42,8 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *,
         if hint is bool:
             group.add_argument(flag(name), dest=name, default=default,
                                action=argparse.BooleanOptionalAction, help=help_text)
-        elif field.metadata.get("cli") == "devices":
-            group.add_argument(flag(name), dest=name, default=None, metavar="IDS",
+        elif field.metadata.get("cli") in ("devices", "json"):
+            group.add_argument(flag(name), dest=name, default=None,
+                               metavar="IDS" if field.metadata["cli"] == "devices" else "JSON",
                                help=help_text)
         else:
             group.add_argument(flag(name), dest=name, default=default, type=hint,

@@ -52,7 +52,11 @@ class SamplingParams:
     ({token id: bias}) is added to the logits; ``repetition_penalty`` divides a positive
     logit (multiplies a negative one) of every token in the prompt or the output;
     ``frequency_penalty`` x count and ``presence_penalty`` (once) are subtracted for every
-    token in the output. A request using any of them decodes one step per host round trip.
+    token in the output. A request using any of them decodes one step per host round trip
+    (and does not speculate).
+
+    ``speculate=False`` opts a request out of the engine's speculative decoding
+    (``speculative_config``); speculation never changes what a request samples from.
     """
 
     n: int = 1
@@ -76,6 +80,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # kept as a read-only mapping
     allowed_token_ids: tuple[int, ...] | None = None  # a list or tuple of ids
     bad_words: tuple[str, ...] = ()  # a list or tuple of strings
+    speculate: bool = True  # with the engine's speculative_config: False opts this one out
 
     def __post_init__(self):
         def fail(field, value, why):
@@ -90,6 +95,8 @@ class SamplingParams:
         def is_real(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
+        if not isinstance(self.speculate, bool):
+            fail("speculate", self.speculate, "must be a bool")
         if not is_int(self.n) or self.n < 1:
             fail("n", self.n, "must be an int >= 1")
         t = self.temperature
@@ -221,6 +228,13 @@ class SamplingParams:
         if stop and num_generated > self.min_tokens:
             return "stop"
         return "length" if num_generated >= self.max_tokens else None
+
+    @property
+    def edits_logits(self) -> bool:
+        """It uses a logits processor (penalties, logit_bias, allowed ids, bad words)."""
+        return bool(self.repetition_penalty != 1 or self.frequency_penalty
+                    or self.presence_penalty or self.logit_bias
+                    or self.allowed_token_ids is not None or self.bad_words)
 
     @property
     def stop_buffer(self) -> int:

@@ -132,6 +132,7 @@ FIELDS: dict[str, Row] = {
     "prompt_logprobs": both(MAPPED, 1, prompt_logprobs_returned),
     "cache_salt": both(MAPPED, "team-a", lambda s: s.salt == "team-a"),
     "truncate_prompt_tokens": both(MAPPED, 3, lambda s: len(s.ids) == 3),
+    "speculate": both(MAPPED, False, sp_has(speculate=False)),
     "add_generation_prompt": Row(MAPPED, chat=False,
                                  check=template(USER, add_generation_prompt=False)),
     "continue_final_message": Row(MAPPED, chat=True, also={"messages": PARTIAL},

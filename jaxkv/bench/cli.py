@@ -24,6 +24,7 @@ COMMANDS = {
     "quant": "quant",
     "moe": "moe",
     "window-kv": "window_kv",
+    "spec": "spec",
     "kv-accuracy": "kv_accuracy",
     "kv-capacity": "kv_capacity",
     "host-tier": "host_tier",

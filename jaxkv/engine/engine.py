@@ -38,6 +38,7 @@ from jaxkv.engine.pool_plan import window_slots, window_stats
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.engine.runner import LoopRun, ModelRunner
 from jaxkv.engine.scheduler import Scheduler
+from jaxkv.engine.speculation import Speculator, spec_stats
 from jaxkv.model.pretrained import Model
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.sharding import place_params
@@ -117,7 +118,8 @@ class Engine:
                                    max_num_seqs=sched.max_num_seqs,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
                                    eos_token_ids=model.config.eos_token_ids,
-                                   window=self.window)
+                                   window=self.window,
+                                   speculator=Speculator(sched.speculative_config))
         self._requests: dict[str, RequestEntry] = {}  # unfinished, by id
         self._pending: list[RequestOutput] = []  # ended off-step (aborts): the next step's
         self._num_added = self._prompt_tokens = 0
@@ -227,11 +229,8 @@ class Engine:
         """Unfinished requests (each counted once, whatever its n): a replica's load."""
         return len(self._requests)
 
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+    num_running = lambda self: len(self.scheduler.running)  # noqa: E731
+    num_waiting = lambda self: len(self.scheduler.waiting)  # noqa: E731
 
     # ---- stepping ------------------------------------------------------------------------
 
@@ -388,7 +387,9 @@ class Engine:
     def programs(self) -> list[tuple[str, int]]:
         """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
         ("copy_pages", N), ("sample", B), ("logprobs", B), ("fill_pages", N) with
-        debug_nan_freed_pages, and ("host_save", N) / ("host_load", N) with a host tier.
+        debug_nan_freed_pages, ("host_save", N) / ("host_load", N) with a host tier, and with
+        speculative decoding ("verify", (T, R)) (a spec step's gather and verification per
+        token and row bucket, its spec step per row bucket) and ("draft", R) for ``self``.
         Not listed: the small programs that requests with ``prompt_logprobs`` (one per token
         bucket) or logits processors (one per entry bucket) compile on first use."""
         return self.runner.programs()
@@ -437,7 +438,7 @@ class Engine:
             generated_tokens=c.generated_tokens, preemptions=c.preemptions,
             kv_pages_total=self.num_pages, kv_pages_used=used, kv_pages_cached=cached,
             kv_pages_free=self.allocator.num_free, steps=self.runner.num_steps,
-            **window_stats(self.window),
+            **window_stats(self.window), **spec_stats(c),
             **tier_stats(self.radix, self.runner.host_pool))
 
     def check(self) -> None:

@@ -19,6 +19,9 @@ from jaxkv.runtime.steps import MAX_STOP_IDS
 if TYPE_CHECKING:
     from jaxkv.engine.engine import Engine
 
+SPEC_CHAIN = 2  # loops chained past a speculation-eligible sequence's last look for drafts
+LOOK_STEPS = 2  # decode steps between two looks for drafts while a sequence may find some
+
 
 def launch(engine: Engine, plan: SchedulerOutput) -> TokenRead | LoopRun | None:
     """Dispatches the device part of a step (copies, then a ragged step or a decode
@@ -45,6 +48,7 @@ def loop_steps(engine: Engine, plan: SchedulerOutput) -> int:
     decodes, no request waiting, and every row's stop ids checkable on device."""
     most = engine.runner.steps.max_decode_steps
     if (most == 1 or plan.prefill_rows or engine.scheduler.waiting
+            or any(r.num_draft for r in plan.decode_rows)  # speculating: a verify step
             or engine.scheduler.connector.hands_off  # a prompt's last token: hand off
             or any(len(r.samples) != 1 or r.samples[0].logprobs is not None
                    or has_processors(r.samples[0].sampling_params)
@@ -56,6 +60,9 @@ def loop_steps(engine: Engine, plan: SchedulerOutput) -> int:
         if len(engine.runner.stop_ids(seq)) > MAX_STOP_IDS:
             return 1
         left = max(left, seq.sampling_params.max_tokens - seq.num_output_tokens)
+    spec = engine.scheduler.speculator
+    if spec.looking([r.request for r in plan.decode_rows]):
+        most = min(most, LOOK_STEPS)  # back soon to look for drafts again
     return min(most, left)
 
 
@@ -69,7 +76,8 @@ def chain(engine: Engine, current: LoopRun) -> LoopRun | None:
     reqs = [r.request for r in current.plan.decode_rows]
     if (not engine.async_scheduling or engine.scheduler.waiting
             or len(reqs) != len(engine.scheduler.running)
-            or any(q.status is not RequestStatus.RUNNING for q in reqs)):
+            or any(q.status is not RequestStatus.RUNNING for q in reqs)
+            or not _may_chain(engine, reqs, current.chained)):
         return None
     starts = [s + k for s, k in zip(current.starts, current.limits, strict=True)]
     generated = [g + k for g, k in zip(current.generated, current.limits, strict=True)]
@@ -82,5 +90,17 @@ def chain(engine: Engine, current: LoopRun) -> LoopRun | None:
     engine.run_cache_copies()
     if any(w > 0 and k == 0 for w, k in zip(wants, limits, strict=True)):
         return None  # a row without pages: `schedule` (which may preempt) takes over
-    return engine.runner.continue_loop(current, starts, limits, generated, n,
-                                       engine.weight_version)
+    run = engine.runner.continue_loop(current, starts, limits, generated, n,
+                                      engine.weight_version)
+    run.chained = current.chained + 1
+    return run
+
+
+def _may_chain(engine: Engine, reqs, chained: int) -> bool:
+    """Whether loops may go on without the scheduler (which looks for drafts): with
+    speculation, not while a sequence may find drafts soon, and SPEC_CHAIN loops at most
+    past one that may speculate at all."""
+    spec = engine.scheduler.speculator
+    if not spec.active(len(reqs)) or not any(spec.eligible(q) for q in reqs):
+        return True
+    return chained < SPEC_CHAIN and not spec.looking(reqs)

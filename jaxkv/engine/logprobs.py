@@ -24,7 +24,7 @@ def entry(token: int, logprob, rank, top_ids, top_logprobs, name) -> dict[int, L
     return out
 
 
-def _namer(tokenizer):
+def namer(tokenizer):
     return (lambda i: tokenizer.decode([i])) if tokenizer is not None else (lambda i: None)
 
 
@@ -32,10 +32,10 @@ def record_logprobs(rows, k: int, tokens, lp, tokenizer) -> None:
     """Appends sample k's logprobs of this step to each row's sequence that asked: the
     sampled token's, and the top SamplingParams.logprobs ones'."""
     chosen, rank, ids, top = lp
-    name = _namer(tokenizer)
+    name = namer(tokenizer)
     for r in rows:
-        if len(r.samples) <= k or r.samples[k].logprobs is None:
-            continue
+        if len(r.samples) <= k or r.samples[k].logprobs is None or r.num_draft:
+            continue  # (a speculating row's come with its verification)
         seq, b = r.samples[k], r.slot
         n = seq.sampling_params.logprobs
         seq.logprobs.append(entry(int(tokens[b]), chosen[b], rank[b], ids[b, :n], top[b, :n],
@@ -75,7 +75,7 @@ def record_prompt_logprobs(where, blocks, tokenizer) -> None:
     recomputation after preemption) is skipped."""
     chosen, rank, ids, top = (np.concatenate([np.asarray(b[i]) for b in blocks])
                               for i in range(4))
-    name = _namer(tokenizer)
+    name = namer(tokenizer)
     for e, (seq, p) in enumerate(where):
         if len(seq.prompt_logprobs) != p:
             continue

@@ -18,6 +18,9 @@ class ScheduledRow:
     pages: tuple[int, ...]  # the sequence's pages, enough for start + len(tokens)
     request: Request
     samples: tuple[Request, ...] = ()  # sequences sampling from this row's last logits
+    # Speculative decoding: tokens[1:] are drafts (placeholders the device fills, for
+    # ``self``); the row emits the accepted ones and one more (`jaxkv.engine.speculation`).
+    num_draft: int = 0
 
     @property
     def owner(self) -> tuple[Request, int]:
@@ -47,3 +50,6 @@ class SchedulerCounters:
     computed_prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

@@ -64,6 +64,12 @@ class Request:
     # weights that sampled each output token.
     kv_version: int | str | None = None
     token_versions: list[int | str] = dataclasses.field(default_factory=list)
+    # Speculative decoding (`jaxkv.engine.speculation`): draft tokens verified for it, those
+    # accepted, and whether it still speculates.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    speculating: bool = True
+    idle_looks: int = 0  # looks for drafts in a row that found none
 
     def __post_init__(self):
         if not self.token_ids:
@@ -191,6 +197,15 @@ class RequestMetrics:
     finish_time: float | None
     ttft: float | None  # first token - arrival
     tpot: float | None  # (finish - first token) / (tokens - 1), longest sample
+    # Speculative decoding, over its samples: draft tokens verified and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens (None before any was verified)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else None
 
 
 @dataclasses.dataclass
@@ -250,6 +265,11 @@ class EngineStats:
     window_slots_pinned: int = 0
     window_slots_cached: int = 0
     window_slot_evictions: int = 0
+    # Speculative decoding: verifications (a row with drafts in a step), draft tokens
+    # verified, and those accepted. Mean accepted length = 1 + accepted / verifications.
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -270,4 +290,6 @@ def request_metrics(samples: list[Request]) -> RequestMetrics:
             tpot = (finish - first_time) / (longest - 1)
     return RequestMetrics(
         arrival_time=samples[0].arrival_time, first_token_time=first_time, finish_time=finish,
-        ttft=None if first_time is None else first_time - samples[0].arrival_time, tpot=tpot)
+        ttft=None if first_time is None else first_time - samples[0].arrival_time, tpot=tpot,
+        num_draft_tokens=sum(s.num_draft_tokens for s in samples),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in samples))

@@ -29,7 +29,7 @@ import numpy as np
 from jaxkv.attention import check_head_dim, check_page_size, kernel_for
 from jaxkv.cache.window import WindowSlots
 from jaxkv.config import EngineConfig, cdiv
-from jaxkv.engine import logprobs
+from jaxkv.engine import logprobs, spec_runner
 from jaxkv.engine import warmup as compile_ahead
 from jaxkv.engine.host_tier import HostKVPool
 from jaxkv.engine.plan import ScheduledRow, SchedulerOutput
@@ -82,6 +82,7 @@ class LoopRun:
     table: np.ndarray  # i32[R, W]: the page table it was given (host)
     after: DecodeLoopBatch  # device: the inputs of a continuation
     read: TokenRead  # () -> ("loop", tokens per row)
+    chained: int = 0  # loops dispatched before it without the scheduler (`launch.chain`)
 
 
 class ModelRunner:
@@ -120,7 +121,10 @@ class ModelRunner:
         steps = sched.max_decode_steps
         if steps is None:
             steps = default_decode_steps()
-        self.steps = make_steps(model.graphdef, impl, mesh, steps)
+        spec = sched.speculative_config
+        self.spec_k = 0 if spec is None else spec.k
+        self.steps = make_steps(model.graphdef, impl, mesh, steps,
+                                spec_runner.draft_program(spec, model.config))
         self.token_buckets = ladder(max(sched.max_num_batched_tokens, max_num_seqs))
         self.row_buckets = tuple(sorted({min(4 ** i, max_num_seqs)
                                          for i in range(max_num_seqs.bit_length())}
@@ -213,16 +217,25 @@ class ModelRunner:
 
     def launch_step(self, rows: list[ScheduledRow], version) -> TokenRead:
         """Dispatches one ragged step over ``rows``; the read gives, for each row, a list of
-        tokens per sample (None for a row still prefilling)."""
+        tokens per sample (None for a row still prefilling; a speculating row's emitted
+        tokens, `jaxkv.engine.spec_runner`)."""
+        if self.spec_k and spec_runner.decodes_only(rows):
+            return spec_runner.launch_spec_step(self, rows, version)
         batch = build_batch(rows, self.page_table,
                             tokens_bucket=fit(sum(len(r.tokens) for r in rows),
                                               self.token_buckets),
                             vocab_size=self.model.config.vocab_size, window=self.window_table)
+        spec, drafts = [r for r in rows if r.num_draft], None
+        if self.steps.draft is not None:  # self-speculation: drafts from the device
+            batch, drafts = spec_runner.draft_on_device(self, spec, batch) if spec else \
+                (spec_runner.committed_tokens(self, batch), None)
         keys, arrays = self.sampling([(r.slot, r.samples[0]) for r in rows if r.samples])
         params = self.model.params
         tokens, logits, hidden, self.state = self.steps.step(params, self.state, batch, keys,
                                                              arrays)
         self.num_steps += 1
+        verified = spec_runner.dispatch_verify(self, spec, batch, hidden, drafts) \
+            if spec else None
         drawn = [tokens]  # [sample][slot]: a forking row's samples 1..n-1 use the same logits
         for k in range(max((len(r.samples) for r in rows), default=0)):
             seqs = [(r.slot, r.samples[k]) for r in rows if len(r.samples) > k]
@@ -250,9 +263,12 @@ class ModelRunner:
                                              tokenizer)
             if prompt_lps is not None:
                 logprobs.record_prompt_logprobs(*prompt_lps, tokenizer)
-            return "step", [[int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
+            emitted = {} if verified is None else verified.read(tokenizer)
+            return "step", [emitted[r.slot] if r.num_draft else
+                            [int(d[r.slot]) for d in got[:len(r.samples)]] if r.samples
                             else None for r in rows]
-        return TokenRead(read, version, drawn)
+        return TokenRead(read, version, drawn if verified is None else
+                         (drawn, verified.tokens))
 
     def launch_loop(self, plan: SchedulerOutput, limits: list[int], n: int, version) -> LoopRun:
         """Dispatches up to ``n`` decode steps of the plan's decode rows on device; row i may

@@ -25,8 +25,8 @@ brings back to device pages the host-resident entries on the request's cached pa
 cache queues the copies for the engine to run before the step.
 
 With window-only KV (`jaxkv.cache.window`), a running sequence also pins the local-layer slots
-of the pages from the first one its next query sees to its last; the pins slide forward as it
-computes, and a prefix hit is capped to what its window still holds.
+of the pages from the first one its next query sees to its last (`WindowPins`). With
+speculative decoding, a decode row carries draft tokens too (`jaxkv.engine.speculation`).
 
 Prefix-cache entries live in the namespace (cache_salt, weight version) of the request that
 computed them (`Request.cache_namespace`; the version is ``weight_version`` at its admission),
@@ -51,6 +51,7 @@ from jaxkv.config import cdiv
 from jaxkv.engine.connector import NullConnector, SchedulerConnector
 from jaxkv.engine.plan import ScheduledRow, SchedulerCounters, SchedulerOutput
 from jaxkv.engine.request import Request, RequestStatus, cache_namespace
+from jaxkv.engine.speculation import Speculator
 from jaxkv.engine.window_pins import WindowPins
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
@@ -62,7 +63,8 @@ class Scheduler:
 
     def __init__(self, allocator: PageAllocator, radix: PrefixCache, *, page_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Collection[int] = (), window: WindowSlots | None = None):
+                 eos_token_ids: Collection[int] = (), window: WindowSlots | None = None,
+                 speculator: Speculator | None = None):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or v < 1:
@@ -82,8 +84,8 @@ class Scheduler:
         # Where a request's KV goes when it leaves before finishing (`jaxkv.engine.connector`;
         # prefill/decode disaggregation plugs one in).
         self.connector: SchedulerConnector = NullConnector()
-        # Window-only KV: who holds the local layers' slots (no-op without `window`).
-        self.pins = WindowPins(window, allocator)
+        self.pins = WindowPins(window, allocator)  # window-only KV's slots (no-op without)
+        self.speculator = speculator or Speculator(None)  # drafts (none without a config)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -105,6 +107,8 @@ class Scheduler:
                         k = self._decode_turn % len(decodes)
                         queue = decodes[k:] + decodes[:k]
                         self._decode_turn = k + budget
+                drafts = self.speculator.drafts(self.running, budget, self.waiting) \
+                    if decode else {}
                 for req in queue:
                     if budget == 0:
                         break
@@ -112,10 +116,14 @@ class Scheduler:
                             or decode != (req.num_pending_tokens == 1)):
                         continue
                     n = min(req.num_pending_tokens, budget)
-                    if self._grow(req, n, scheduled, out):
-                        (out.decode_rows if decode else out.prefill_rows).append(self._row(req, n))
+                    draft = drafts.get(req, ())[:budget - n]
+                    if self._grow(req, n, scheduled, out):  # drafts never preempt:
+                        draft = draft[:self.reserve([req], [req.num_computed_tokens + n],
+                                                    [len(draft)])[0]] if draft else ()
+                        row = self._row(req, n, draft)
+                        (out.decode_rows if decode else out.prefill_rows).append(row)
                         scheduled.add(req)
-                        budget -= n
+                        budget -= len(row.tokens)
             if not out.preempted:
                 self._admit_waiting(budget, out)
             self.pins.plan_copies(out)
@@ -123,11 +131,11 @@ class Scheduler:
             self.pins.release_sources()
         return out
 
-    def _row(self, req: Request, n: int) -> ScheduledRow:
+    def _row(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledRow:
         start = req.num_computed_tokens
         samples = (req, *req.forks) if start + n == len(req.token_ids) else ()
-        return ScheduledRow(req.slot, tuple(req.token_ids[start:start + n]), start,
-                            tuple(req.pages), req, samples)
+        return ScheduledRow(req.slot, tuple(req.token_ids[start:start + n]) + draft, start,
+                            tuple(req.pages), req, samples, len(draft))
 
     def _pages_needed(self, req: Request, n: int) -> tuple[int, int | None]:
         """(pages to allocate, index of a shared page to copy before writing, or None)."""
@@ -162,8 +170,7 @@ class Scheduler:
         return True
 
     def make_room(self, need: int) -> bool:
-        """Evicts from the prefix cache until ``need`` pages are free, or nothing is left to
-        evict; True if they are free. It never preempts."""
+        """Evicts from the prefix cache until ``need`` pages are free (True), never preempting."""
         while self.allocator.num_free < need and self._evict(need):
             pass
         return self.allocator.num_free >= need
@@ -284,6 +291,9 @@ class Scheduler:
         progressed = []
         for row, tokens in zip(out.rows, sampled, strict=True):
             req = row.request
+            if row.num_draft:  # tokens: what the row emitted (its accepted drafts and one)
+                progressed += self.speculator.take_verified(self, row, tokens, now)
+                continue
             end = row.start + len(row.tokens)
             req.num_computed_tokens = end
             if req.status is RequestStatus.RUNNING:
@@ -296,14 +306,14 @@ class Scheduler:
             if req.forks:
                 self._fork(req)
             for seq, token in zip(row.samples, tokens, strict=True):
-                self._take_token(seq, token, now)
+                self.take_token(seq, token, now)
                 progressed.append(seq)
             going = [seq for seq in row.samples if not seq.is_done]
             if going:
                 self.connector.on_prefilled(going)
         return progressed
 
-    def _take_token(self, seq: Request, token: int, now: float) -> bool:
+    def take_token(self, seq: Request, token: int, now: float) -> bool:
         """Appends a sampled token to a sequence; True if it finished the sequence."""
         reason = seq.append_token(int(token), self.eos_token_ids)
         self.counters.generated_tokens += 1
@@ -349,12 +359,11 @@ class Scheduler:
                 if req.num_computed_tokens == req.prefill_end:  # the prompt's last token ran
                     self.counters.computed_prompt_tokens += 1  # here (a one-token chunk)
                     self.cache_full_pages(req)
-                if self._take_token(req, token, now):
+                if self.take_token(req, token, now):
                     break
             if req.status is RequestStatus.RUNNING:
                 self.pins.hold(req)
-            if toks:
-                progressed.append(req)
+            progressed += [req] if toks else []
         return progressed
 
     def cache_full_pages(self, req: Request) -> None:
@@ -429,10 +438,8 @@ class Scheduler:
 
     def holders(self) -> list[list[int]]:
         """One page list per reference holder, for ``PageAllocator.check(holders=...)``."""
-        held = [list(r.pages) for r in self.running]
-        held += self.connector.held_pages()
-        held += [[p] for p in self.radix.held_pages()]  # a page may be held by two nodes
-        return held
+        held = [list(r.pages) for r in self.running] + list(self.connector.held_pages())
+        return held + [[p] for p in self.radix.held_pages()]  # a page may have two nodes
 
     def page_usage(self) -> tuple[int, int]:
         """(pages held by running sequences and by requests in a prefill-to-decode transfer,

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
+from jaxkv.engine import spec_runner
 from jaxkv.runtime.batch import padding_batch
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.sampling import sample, sample_keys, token_logprobs
@@ -31,6 +32,11 @@ def engine_programs(engine) -> list[tuple[str, int]]:
     progs += [("copy_pages", n) for n in engine.copy_buckets]
     progs.append(("sample", engine.max_num_seqs))
     progs.append(("logprobs", engine.max_num_seqs))
+    if engine.spec_k:  # speculative decoding: a gather per (token, row) bucket pair, then
+        # verification per row bucket (and the draft program, for self-speculation)
+        progs += [("verify", (t, r)) for t in engine.token_buckets for r in engine.row_buckets]
+        if engine.steps.draft is not None:
+            progs += [("draft", r) for r in engine.row_buckets]
     if engine.debug_nan_freed_pages:
         progs.append(("fill_pages", engine.copy_buckets[-1]))
     if engine.host_pool is not None:
@@ -56,6 +62,12 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
         window_page_table=getattr(engine, "runner", engine).window_rows(rows))
 
 
+def _padding(engine, t: int):
+    """A padding step batch of t tokens, as this engine's steps take it."""
+    batch = padding_batch(t, engine.page_table, engine.window_table)
+    return batch if engine.steps.draft is None else spec_runner.committed_tokens(engine, batch)
+
+
 def _precompile(engine, progs) -> None:
     """Compiles the step and decode-loop programs side by side, one per core: XLA releases
     the GIL while it compiles, and a compiled program lands in the cache a later call of the
@@ -66,8 +78,8 @@ def _precompile(engine, progs) -> None:
     def compile_one(prog):
         kind, size = prog
         if kind == "step":
-            batch = padding_batch(size, engine.page_table, engine.window_table)
-            engine.steps.step.lower(params, state, batch, keys, arrays).compile()
+            engine.steps.step.lower(params, state, _padding(engine, size), keys, arrays
+                                    ).compile()
         else:
             engine.steps.decode_loop.lower(params, state, idle_decode_loop(engine, size)
                                            ).compile()
@@ -89,8 +101,7 @@ def warmup(engine) -> int:
         if kind == "step":
             keys, arrays = engine.sampling([])
             tokens, logits, _, engine.state = engine.steps.step(
-                engine.model.params, engine.state,
-                padding_batch(size, engine.page_table, engine.window_table), keys, arrays)
+                engine.model.params, engine.state, _padding(engine, size), keys, arrays)
             forked = sample(logits, keys, arrays)  # the fork sampler: one shape for all
             for drawn in (tokens, forked):  # logprobs of a step's or a fork's tokens
                 token_logprobs(logits, drawn, MAX_LOGPROBS)
@@ -105,6 +116,10 @@ def warmup(engine) -> int:
                                     window_page_table=idle.window_page_table)
             _, _, engine.state = engine.steps.decode_loop(engine.model.params, engine.state,
                                                           chained)
+        elif kind == "verify":
+            spec_runner.warm_verify(engine, *size)
+        elif kind == "draft":
+            spec_runner.warm_draft(engine, size)
         elif kind == "copy_pages":  # one pair to a dropped destination, padded to `size`
             engine.state = copy_pages_padded(engine.state, [(0, engine.num_pages)], (size,))
         elif kind == "fill_pages":

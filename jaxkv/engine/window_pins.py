@@ -49,6 +49,15 @@ class WindowPins:
                 self.window.unpin(req.pages[i])
         req.window_pins = (0, 0)
 
+    def trim(self, req: Request, keep: int) -> None:
+        """Unpins ``req``'s pages from index ``keep`` on (before they are freed: rejected
+        speculative tokens' pages)."""
+        lo, hi = req.window_pins
+        if self.window is not None:
+            for i in range(max(lo, keep), hi):
+                self.window.unpin(req.pages[i])
+        req.window_pins = (min(lo, keep), min(hi, keep))
+
     def fork(self, parent: Request, sibling: Request) -> None:
         """``sibling`` starts on ``parent``'s pages: it pins what the parent pins."""
         if self.window is not None:

@@ -174,9 +174,12 @@ class Llama(nnx.Module):
                 placeholder_weight((e, v), QuantScheme(8, None)) if quant_embed
                 else init(rngs.params(), (e, v), param_dtype))
 
-    def __call__(self, tokens_t, positions_t, attention: AttentionFn, carry):
-        """Hidden states f[T, E] after the final norm, and the attention carry."""
+    def __call__(self, tokens_t, positions_t, attention: AttentionFn, carry,
+                 num_layers: int | None = None):
+        """Hidden states f[T, E] after the final norm, and the attention carry.
+        ``num_layers``: only the first layers run (a self-speculation draft), then the norm."""
         c = self.config
+        depth = c.num_layers if num_layers is None else num_layers
         t = tokens_t.shape[0]
         x = embed_lookup(self.embed.get_value(), tokens_t, self.dtype)
         if c.scale_embeddings:  # HF rounds sqrt(E) to the compute dtype first
@@ -236,10 +239,12 @@ class Llama(nnx.Module):
             return (x + h, carry), None
 
         if self.layers.scan:
-            xs = (self.layers.stacked(), jnp.arange(c.num_layers))
-            (x, carry), _ = jax.lax.scan(layer, (x, carry), xs)
+            stacked = self.layers.stacked()
+            if depth < c.num_layers:
+                stacked = jax.tree.map(lambda w: w[:depth], stacked)
+            (x, carry), _ = jax.lax.scan(layer, (x, carry), (stacked, jnp.arange(depth)))
         else:
-            for i in range(c.num_layers):
+            for i in range(depth):
                 (x, carry), _ = layer((x, carry), (self.layers.layer(i), i))
         return rms_norm(x, self.final_norm[...], c.rms_norm_eps, gemma), carry
 

@@ -87,8 +87,7 @@ def bad_word_bans(bad_words_ids, output_ids) -> list[int]:
 
 
 def has_processors(sp) -> bool:
-    return bool(sp.repetition_penalty != 1 or sp.frequency_penalty or sp.presence_penalty
-                or sp.logit_bias or sp.allowed_token_ids is not None or sp.bad_words)
+    return sp.edits_logits
 
 
 def build_processors(rows, num_rows: int) -> LogitsProcessors:

@@ -35,12 +35,17 @@ def target_probs(logits, temperature, top_k, top_p, banned=None):
         logits = logits.at[jnp.arange(n)[:, None], jnp.where(banned >= 0, banned, v)].set(
             -jnp.inf, mode="drop")
     hot = temperature > 0
-    x = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    thr = keep_threshold(x, top_k, top_p)
-    x = jnp.where(x >= thr[:, None], x, -jnp.inf)
-    sampled = jax.nn.softmax(x, axis=-1)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
-    return jnp.where(hot[:, None], sampled, greedy)
+
+    def sampled():
+        x = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        filtered = jnp.any(hot & ((top_k > 0) | (top_p < 1)))
+        thr = jax.lax.cond(filtered, lambda: keep_threshold(x, top_k, top_p),
+                           lambda: jnp.full(x.shape[:1], -jnp.inf))
+        x = jnp.where(x >= thr[:, None], x, -jnp.inf)
+        return jnp.where(hot[:, None], jax.nn.softmax(x, axis=-1), greedy)
+
+    return jax.lax.cond(jnp.any(hot), sampled, lambda: greedy)  # all greedy: one-hots only
 
 
 def _uniforms(keys, step, k: int):

@@ -15,6 +15,13 @@ were reserved for. The host reads the N x R tokens once (-1 where a row had reti
 is ``loop`` with each row's pending token, position, liveness and count after the last step:
 the inputs of a next loop, which the host can dispatch before reading these tokens.
 
+Speculative decoding (`jaxkv.engine.speculation`): ``spec_step(params, state, batch, idx, draft,
+num_draft, keys, sampling, banned) -> (tokens i32[R, K + 1], logits, state)`` runs a ragged
+batch of R decode rows, each its pending token and up to K drafts, takes the logits at those
+positions only and verifies them (`jaxkv.runtime.spec_verify`); ``verify`` does the same from
+a plain step's hidden states (a step with prefill chunks). With self-speculation, ``draft``
+is a decode loop of the model's first layers, greedy.
+
 The NNX graphdef is split from the params before jit: the params are an ordinary pytree argument
 (fresh weights need no recompile) and the traced program does not embed them as constants.
 """
@@ -40,6 +47,7 @@ from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, pool_layers, rotate_queries, write_kv
 from jaxkv.runtime.batch import StepBatch
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens, token_logprobs
+from jaxkv.runtime.spec_verify import target_probs, verify
 from jaxkv.sharding import kv_sharding, sharded_attention
 
 MAX_STOP_IDS = 8  # stop ids (EOS included) a row can check on device (<= MAX_BANNED)
@@ -130,7 +138,8 @@ def _check_state(state: PagedKVState, model) -> None:
 
 
 def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offsets,
-             page_table, kv_lens, cu_q_lens, num_seqs, *, decode: bool, window=None):
+             page_table, kv_lens, cu_q_lens, num_seqs, *, decode: bool, window=None,
+             num_layers=None):
     """Hidden states of T tokens and the (pages, scales) with their K/V written; ``kv`` is
     (kv_pages, kv_scales or None), carried through the layers. Window-only KV: ``kv`` also
     holds (window_pages, window_scales), and ``window`` is the local layers' (write slots
@@ -172,7 +181,9 @@ def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offset
                                           page_table, kv_lens, cu_q_lens, num_seqs)
         return out, (*pages, *kv[2:])
 
-    return model(tokens, positions, attention, kv)
+    if num_layers is None:  # (a bring-your-own model need not take num_layers)
+        return model(tokens, positions, attention, kv)
+    return model(tokens, positions, attention, kv, num_layers=num_layers)
 
 
 def _keep_layout(state, mesh):
@@ -195,8 +206,8 @@ def _with_pools(state: PagedKVState, kv: tuple) -> PagedKVState:
                          window_scales=kv[3])
 
 
-def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch, keys,
-          sampling: SamplingArrays):
+def _ragged(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch):
+    """(model, hidden states of the batch's tokens, the state with their K/V written)."""
     model = _merge(graphdef, params, impl, mesh)
     _check_state(state, model)  # at trace time: a new shape or dtype retraces
     _check_window(state, batch.window_page_table)
@@ -205,10 +216,32 @@ def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBat
         model, impl, mesh, _pools(state), batch.tokens, batch.positions,
         batch.write_pages, batch.write_offsets, batch.page_table, batch.kv_lens,
         batch.cu_q_lens, batch.num_seqs, decode=False, window=window)
+    return model, hidden, _keep_layout(_with_pools(state, kv), mesh)
+
+
+def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch, keys,
+          sampling: SamplingArrays):
+    model, hidden, state = _ragged(graphdef, impl, mesh, params, state, batch)
     last = jnp.maximum(batch.cu_q_lens[1:] - 1, 0)
     logits = model.logits(hidden[last])
     tokens = sample_tokens(logits, keys, sampling)
-    return tokens, logits, hidden, _keep_layout(_with_pools(state, kv), mesh)
+    return tokens, logits, hidden, state
+
+
+def _spec_step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch, idx,
+               draft, num_draft, keys, sampling: SamplingArrays, banned):
+    """A step of R decode rows, some with drafts: the ragged forward, logits only at the rows'
+    positions (``idx`` i32[R, K + 1], as `_verify` takes them), then verification; a row
+    without drafts samples as a plain step would (same key, same draw). Returns (tokens
+    i32[R, K + 1], logits f32[R * (K + 1), V], state)."""
+    model, hidden, state = _ragged(graphdef, impl, mesh, params, state, batch)
+    tokens, logits = _verified(model, hidden[idx.reshape(-1)], draft, num_draft, keys,
+                               sampling, banned)
+    r, k1 = idx.shape
+    plain = sample_tokens(logits.reshape(r, k1, -1)[:, 0], keys,
+                          sampling.replace(banned=banned[:, 0]))
+    tokens = tokens.at[:, 0].set(jnp.where(num_draft > 0, tokens[:, 0], plain))
+    return tokens, logits, state
 
 
 def _check_window(state: PagedKVState, window_table) -> None:
@@ -219,7 +252,7 @@ def _check_window(state: PagedKVState, window_table) -> None:
 
 
 def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: PagedKVState,
-                 loop: DecodeLoopBatch):
+                 loop: DecodeLoopBatch, *, num_layers: int | None = None):
     model = _merge(graphdef, params, impl, mesh)
     _check_state(state, model)
     _check_window(state, loop.window_page_table)
@@ -245,7 +278,7 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
         hidden, kv = _forward(
             model, impl, mesh, kv, tokens, positions, jnp.where(running, page, p),
             positions % s, loop.page_table, jnp.where(running, positions + 1, 0), cu,
-            jnp.int32(r), decode=True, window=window)
+            jnp.int32(r), decode=True, window=window, num_layers=num_layers)
         new = sample_tokens(model.logits(hidden), loop.keys, sampling(generated))
         out = out.at[i].set(jnp.where(running, new, -1))
         generated = generated + running.astype(jnp.int32)
@@ -272,6 +305,35 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
     return out, after, _keep_layout(_with_pools(state, kv), mesh)
 
 
+def _verify(graphdef, impl: str, mesh, params, hidden, draft, num_draft, keys,
+            sampling: SamplingArrays, banned):
+    """Verifies R speculating rows: ``hidden`` [R * (K + 1), E] are each row's final hidden
+    states in a step (its pending token, then its drafts; `take_rows`), ``draft`` i32[R, K]
+    (< 0: none), ``num_draft`` i32[R], ``keys``/``step``/``sampling`` per row, ``banned``
+    i32[R, K + 1, MAX_BANNED] per position (`jaxkv.runtime.spec_verify`). Returns (tokens
+    i32[R, K + 1], -1 after the emitted ones; the raw logits f32[R * (K + 1), V])."""
+    return _verified(_merge(graphdef, params, impl, mesh), hidden, draft, num_draft, keys,
+                     sampling, banned)
+
+
+def _verified(model, hidden, draft, num_draft, keys, sampling: SamplingArrays, banned):
+    r, k1 = banned.shape[:2]
+    logits = model.logits(hidden)
+    per_position = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), sampling)
+    p = target_probs(logits, per_position.temperature, per_position.top_k, per_position.top_p,
+                     banned.reshape(r * k1, -1))
+    tokens, _ = verify(p.reshape(r, k1, -1), jnp.maximum(draft, 0), num_draft, keys,
+                       sampling.step)
+    return tokens, logits
+
+
+@jax.jit
+def take_rows(hidden, idx):
+    """``hidden[idx]`` flattened: the rows a verification reads (one program per step
+    bucket and row bucket, each a gather)."""
+    return hidden[idx.reshape(-1)]
+
+
 def _prompt_logprobs(graphdef, params, hidden, idx, targets, k: int):
     """Logprobs of ``targets`` (i32[P]) under the logits of ``hidden[idx]``, as
     `token_logprobs` gives them: (logprob f32[P], rank i32[P], top ids i32[P, k], theirs)."""
@@ -286,6 +348,9 @@ class Steps(NamedTuple):
     decode_loop: callable  # (params, state, loop) -> (tokens, after, state): <= max steps
     max_decode_steps: int
     prompt_logprobs: callable  # (params, hidden, idx, targets, k) -> token_logprobs' four
+    verify: callable  # (params, hidden rows, draft, ...) -> (tokens, logits): `_verify`
+    spec_step: callable  # (params, state, batch, idx, draft, ...) -> (tokens, logits, state)
+    draft: callable | None = None  # self-speculation: a decode loop of the first layers
 
 
 def default_decode_steps() -> int:
@@ -295,9 +360,11 @@ def default_decode_steps() -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def make_steps(graphdef, attention_impl: str = "auto", mesh=None, max_decode_steps: int = 8
-               ) -> Steps:
+def make_steps(graphdef, attention_impl: str = "auto", mesh=None, max_decode_steps: int = 8,
+               draft: tuple[int, int] | None = None) -> Steps:
     """Jitted ``step`` and ``decode_loop`` for a model graph; cached so they compile once.
+    ``draft`` (k, layers): self-speculation's draft program, a decode loop of k steps of the
+    first ``layers`` layers.
 
     With a ``mesh`` (see `jaxkv.sharding`), params and state are expected on it, sharded
     for tensor parallelism, and attention runs per device inside ``shard_map``."""
@@ -308,5 +375,11 @@ def make_steps(graphdef, attention_impl: str = "auto", mesh=None, max_decode_ste
     loop = jax.jit(functools.partial(_decode_loop, graphdef, attention_impl, mesh,
                                      max_decode_steps), donate_argnums=(1,))
     plp = jax.jit(functools.partial(_prompt_logprobs, graphdef), static_argnums=(4,))
+    verify_rows = jax.jit(functools.partial(_verify, graphdef, attention_impl, mesh))
+    spec = jax.jit(functools.partial(_spec_step, graphdef, attention_impl, mesh),
+                   donate_argnums=(1,))
+    drafter = None if draft is None else jax.jit(functools.partial(
+        _decode_loop, graphdef, attention_impl, mesh, draft[0], num_layers=draft[1]),
+        donate_argnums=(1,))
     return Steps(step=step, decode_loop=loop, max_decode_steps=max_decode_steps,
-                 prompt_logprobs=plp)
+                 prompt_logprobs=plp, verify=verify_rows, spec_step=spec, draft=drafter)

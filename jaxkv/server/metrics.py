@@ -44,6 +44,14 @@ class ServerMetrics:
             "kv_transfer_pages", "KV pages copied from the prefill to the decode engine.")
         self.kv_transfer_bytes = counter(
             "kv_transfer_bytes", "Bytes of those pages (scales included).")
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Verifications of speculated drafts (one per request "
+            "per step that speculated; mean accepted length = 1 + accepted / drafts).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (acceptance rate = accepted / draft tokens).")
         self.requests = Counter("jaxkv:request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.running = gauge("num_requests_running", "Requests holding KV pages.")
@@ -81,6 +89,10 @@ class ServerMetrics:
             self.kv_transfers.inc(stats.kv_transfers - last.kv_transfers)
             self.kv_transfer_pages.inc(stats.kv_pages_transferred - last.kv_pages_transferred)
             self.kv_transfer_bytes.inc(stats.kv_bytes_transferred - last.kv_bytes_transferred)
+            self.spec_drafts.inc(stats.spec_verifications - last.spec_verifications)
+            self.spec_draft_tokens.inc(stats.spec_draft_tokens - last.spec_draft_tokens)
+            self.spec_accepted_tokens.inc(stats.spec_accepted_tokens
+                                          - last.spec_accepted_tokens)
         self._last = stats
         self.running.set(running)
         self.waiting.set(waiting)

@@ -92,6 +92,7 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = None
     cache_salt: str | None = None  # the prefix cache's namespace (within the caller's)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    speculate: bool = True  # False: no speculative decoding for this request
     # ignored
     user: str | None = None
     # refused (typed loosely: a client sees the refusal, not a type error)
@@ -158,7 +159,7 @@ class _Request(BaseModel):
             else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, speculate=self.speculate,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 

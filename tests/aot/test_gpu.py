@@ -61,6 +61,20 @@ STEPS = [
 ]
 
 
+@pytest.mark.parametrize("case", [pytest.param(s, id=s.name.replace(" ", "-")) for s in [
+    aot_steps.StepCase("llama-3.2-1b", "spec", 1.0, 64, 64, 4096)]])
+def test_spec_step_kernels_fit_sm90(case, table):
+    """Speculative decoding's spec step (8 rows of k + 1 = 8 tokens) lowered for CUDA: the
+    ragged step's attention kernels, through ptxas."""
+    step, params, state, *inputs = aot_steps.spec_step_inputs(case, "pallas-gpu", 8, 7)
+    reports = [aot_gpu.compile_call(c) for c in aot_gpu.triton_calls(step, params, state, *inputs)]
+    assert len(reports) == aot_steps.attention_kernels(case.model)
+    for r in reports:
+        table("Triton kernels of the engine steps, sm_90 (attention_impl='pallas-gpu')",
+              ["step"] + COLUMNS, [case.name + " R=8 k=7"] + _row(r.name, case.dtype, r))
+        assert not r.problems()
+
+
 @pytest.mark.parametrize("case", [pytest.param(s, id=s.name.replace(" ", "-")) for s in STEPS])
 def test_engine_step_kernels_fit_sm90(case, table):
     """The real jitted step lowered for CUDA: its Triton kernels through ptxas."""

@@ -203,6 +203,35 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
         assert all(c.nbytes < 0.1 * scales for c in i32_copies), i32_copies
 
 
+# Speculative decoding's spec step: 8 decode rows of k + 1 = 8 tokens (a draft of 7 each),
+# logits at those 64 positions only, verification and the plain rows' sampling in the same
+# program (jaxkv.runtime.steps._spec_step).
+SPEC_STEPS = [
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "spec", 1.0, 64, 64, 4096)),
+    ("v6e", aot_steps.StepCase("llama-3-8b", "spec", 2.0, 64, 128, 8192)),
+]
+
+
+@pytest.mark.parametrize("chip, case", [pytest.param(c, s, id=f"{c}-{s.name}".replace(" ", "-"))
+                                        for c, s in SPEC_STEPS])
+def test_spec_step_updates_the_pool_in_place(chip, case, table):
+    """The pool donated and aliased to the output, and no copy of it: verification's
+    temporaries are [R(K + 1), V] f32 arrays (logits, probabilities, the residual)."""
+    rows, k = 8, 7
+    step, params, state, *inputs = aot_steps.spec_step_inputs(case, "pallas-tpu", rows, k)
+    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
+    pool = aot_steps.pool_bytes(state)
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          [chip, case.name + f" R={rows} k={k}", pool // MiB, f"{r.temp_bytes / MiB:.1f}",
+           f"{r.temp_bytes / pool:.4f}", f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB,
+           f"{r.seconds:.1f}"])
+    verifier = 16 * rows * (k + 1) * aot_steps.config_of(case.model).vocab_size * 4
+    assert len(r.vmem_bytes) == aot_steps.attention_kernels(case.model)
+    assert r.alias_bytes >= pool
+    assert r.temp_bytes < 0.1 * pool + verifier
+    assert r.largest_copy() < 0.1 * pool
+
+
 # Window-only KV (jaxkv.cache.window): Gemma 3's 22 local layers keep their pages in a pool of
 # window slots (what the rows' 512-token windows pin), its 4 global layers in pages; the layers
 # unrolled, each writing and reading its own pool.

@@ -22,7 +22,7 @@ from jaxkv.model.config import ModelConfig, RopeScaling
 from jaxkv.model.llama import Llama, default_scan_layers
 from jaxkv.model.quant import QuantScheme
 from jaxkv.runtime.batch import PageTable, WindowTable, padding_batch
-from jaxkv.runtime.sampling import SamplingArrays
+from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays
 from jaxkv.runtime.steps import make_steps
 from pallas_kernels.quant import storage_dtype
 
@@ -175,6 +175,21 @@ def step_inputs(case: StepCase, impl: str):
                           _window_table(case, width))
     keys = np.zeros((case.rows, 2), np.uint32)
     return steps.step, params, state, batch, keys, SamplingArrays.greedy(case.rows)
+
+
+def spec_step_inputs(case: StepCase, impl: str, rows: int, k: int):
+    """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv spec step
+    (`jaxkv.runtime.steps`: ``rows`` decode rows of k + 1 tokens each, verified in the same
+    program) over ``case.rows`` slots and ``case.tokens`` = T tokens."""
+    graphdef, params, state, pages, width = _abstract_state(case, impl)
+    steps = make_steps(graphdef, impl)
+    batch = padding_batch(case.tokens, PageTable(case.rows, width, pages, case.page_size),
+                          _window_table(case, width))
+    k1 = k + 1
+    return (steps.spec_step, params, state, batch, np.zeros((rows, k1), np.int32),
+            np.zeros((rows, k), np.int32), np.zeros(rows, np.int32),
+            np.zeros((rows, 2), np.uint32), SamplingArrays.greedy(rows),
+            np.full((rows, k1, MAX_BANNED), -1, np.int32))
 
 
 def _window_table(case: StepCase, width: int) -> WindowTable | None:

@@ -1,0 +1,246 @@
+"""Speculative decoding's device side for a `ModelRunner`: drafting on device (``self``), and
+verifying every speculating row of a ragged step (`jaxkv.engine.speculation` has the host's
+part, `jaxkv.runtime.spec_verify` the rule).
+
+A step with speculating rows runs as any ragged step (each such row holds its pending token and
+its drafts), then one ``verify`` program per row bucket turns those rows' hidden states into the
+target's logits at every position and accepts or draws. With ``self``, a draft program (a decode
+loop of the first layers, greedy) runs first on the same rows and pages, and its tokens are
+written into the step's token array on device: nothing goes back to the host in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxkv.engine.logprobs import entry, namer
+from jaxkv.runtime.batch import StepBatch, build_batch, fit, padding_batch, pow2
+from jaxkv.runtime.sampling import MAX_BANNED, token_logprobs
+from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, take_rows
+from jaxkv.sampling_params import MAX_LOGPROBS
+from jaxkv.sharding import commit
+
+
+def draft_program(config, model_config) -> tuple[int, int] | None:
+    """(k, layers) of the self-speculation draft of ``config`` (a SpeculativeConfig or None)
+    for a model; None for other methods. ValueError naming num_draft_layers if the draft would
+    be the whole model."""
+    if config is None or config.method != "self":
+        return None
+    total = model_config.num_layers
+    layers = config.num_draft_layers or max(1, total // 2)
+    if layers >= total:
+        raise ValueError(f"speculative_config.num_draft_layers={layers}: the draft must be "
+                         f"fewer layers than the model's {total}")
+    return config.k, layers
+
+
+@jax.jit
+def _place(tokens, at, out):
+    """(``tokens`` with the draft loop's ``out`` (i32[K, R]) written at ``at`` (i32[R, K]; past
+    the end: dropped), the drafts i32[R, K])."""
+    drafts = out.T
+    return tokens.at[at.reshape(-1)].set(drafts.reshape(-1), mode="drop"), drafts
+
+
+def committed_tokens(runner, batch: StepBatch) -> StepBatch:
+    """``batch`` with its tokens on the device, committed, as a step whose drafts were written
+    there has them: a self-speculating engine's steps all take them so (one program per
+    token bucket, whether or not a row speculates)."""
+    if runner.mesh is None:
+        tokens = commit(batch.tokens)
+    else:
+        tokens = jax.device_put(batch.tokens, NamedSharding(runner.mesh, PartitionSpec()))
+    return batch.replace(tokens=tokens)
+
+
+def draft_on_device(runner, rows, batch: StepBatch) -> tuple[StepBatch, jax.Array]:
+    """Runs the self-speculation draft for ``rows`` (their pages and tables already set by
+    `build_batch`) and writes its tokens into ``batch``; returns the batch and the drafts
+    (i32[R, K], -1 past each row's ``num_draft``)."""
+    k = runner.spec_k
+    r = fit(len(rows), runner.row_buckets)
+    table = np.zeros((r, runner.max_pages_per_seq), np.int32)
+    loop = _draft_inputs(runner, r)
+    at = np.full((r, k), len(batch.tokens), np.int32)
+    for i, row in enumerate(rows):
+        loop.tokens[i], loop.positions[i] = row.tokens[0], row.start
+        loop.limit[i], loop.live[i] = row.num_draft, True
+        table[i] = runner.page_table.table[row.slot]
+        if loop.window_page_table is not None:
+            loop.window_page_table[i] = runner.window_table.table[row.slot]
+        first = int(batch.cu_q_lens[row.slot]) + 1
+        at[i, :row.num_draft] = np.arange(first, first + row.num_draft)
+    out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
+                                              loop.replace(page_table=table))
+    tokens, drafts = _place(batch.tokens, at, out)
+    return batch.replace(tokens=tokens), drafts
+
+
+def _draft_inputs(runner, r: int) -> DecodeLoopBatch:
+    """The draft loop's inputs for r idle rows: greedy, no stop ids, k steps."""
+    z = np.zeros(r, np.int32)
+    return DecodeLoopBatch(
+        tokens=z.copy(), positions=z.copy(),
+        page_table=np.zeros((r, runner.max_pages_per_seq), np.int32),
+        live=np.zeros(r, bool), limit=z.copy(), generated=z, min_tokens=z,
+        max_tokens=np.full(r, 2**30, np.int32),
+        stop_ids=np.full((r, MAX_STOP_IDS), -1, np.int32), keys=np.zeros((r, 2), np.uint32),
+        temperature=np.zeros(r, np.float32), top_k=z, top_p=np.ones(r, np.float32),
+        num_steps=np.int32(runner.spec_k), window_page_table=runner.window_rows(r))
+
+
+@dataclasses.dataclass
+class Verified:
+    """A dispatched verification: the device's tokens, and logprobs where a row asked."""
+
+    rows: list  # the verified ScheduledRows, in order
+    tokens: jax.Array  # i32[R, K + 1]
+    logprobs: tuple | None  # token_logprobs' four over R * (K + 1) positions
+
+    def read(self, tokenizer) -> dict[int, list[int]]:
+        """Each row's emitted tokens by slot; records their logprobs for those that ask."""
+        got = np.asarray(self.tokens)
+        k1 = got.shape[1]
+        lps = None if self.logprobs is None else [np.asarray(x) for x in self.logprobs]
+        out = {}
+        for i, row in enumerate(self.rows):
+            emitted = [int(t) for t in got[i] if t >= 0]
+            out[row.slot] = emitted
+            seq = row.request
+            if lps is not None and seq.logprobs is not None:
+                n, name = seq.sampling_params.logprobs, namer(tokenizer)
+                for j, t in enumerate(emitted):
+                    e = i * k1 + j
+                    seq.logprobs.append(entry(t, lps[0][e], lps[1][e], lps[2][e, :n],
+                                              lps[3][e, :n], name))
+        return out
+
+
+def _inputs(runner, rows, cu_q_lens):
+    """Verification inputs of ``rows`` in a row bucket: (positions in the step i32[R, K + 1],
+    drafts i32[R, K], num_draft i32[R], keys, SamplingArrays, banned ids per position)."""
+    k = runner.spec_k
+    r = fit(len(rows), runner.row_buckets)
+    idx = np.zeros((r, k + 1), np.int32)
+    draft = np.full((r, k), -1, np.int32)
+    num = np.zeros(r, np.int32)
+    banned = np.full((r, k + 1, MAX_BANNED), -1, np.int32)
+    eos = runner.model.config.eos_token_ids
+    for i, row in enumerate(rows):
+        d, seq = row.num_draft, row.request
+        at = int(cu_q_lens[row.slot])
+        idx[i, :d + 1] = np.arange(at, at + d + 1)
+        draft[i, :d], num[i] = row.tokens[1:], d
+        for j in range(d + 1):  # stop ids stay banned until min_tokens are out
+            ids = seq.sampling_params.banned_ids(seq.num_output_tokens + j, eos)
+            banned[i, j, :len(ids)] = ids
+    keys, arrays = runner.sampling([(i, row.request) for i, row in enumerate(rows)], rows=r)
+    return idx, draft, num, keys, arrays, banned
+
+
+def _logprobs(rows, tokens, logits):
+    if any(row.request.logprobs is not None for row in rows):
+        return token_logprobs(logits, jnp.maximum(tokens, 0).reshape(-1), MAX_LOGPROBS)
+    return None
+
+
+def dispatch_verify(runner, rows, batch: StepBatch, hidden, drafts=None) -> Verified:
+    """Dispatches the verification of the speculating ``rows`` of a step over ``batch``
+    (``drafts``: the device's, for self-speculation; else the rows' own)."""
+    idx, draft, num, keys, arrays, banned = _inputs(runner, rows, batch.cu_q_lens)
+    tokens, logits = runner.steps.verify(runner.model.params, take_rows(hidden, idx),
+                                         draft if drafts is None else drafts, num, keys,
+                                         arrays, banned)
+    return Verified(list(rows), tokens, _logprobs(rows, tokens, logits))
+
+
+def decodes_only(rows) -> bool:
+    """Whether a step's rows are all one-sample decodes (some with drafts) that a spec step
+    runs: no prefill chunk, fork, logits processor or prompt logprobs."""
+    return any(r.num_draft for r in rows) and all(
+        len(r.tokens) == 1 + r.num_draft and r.samples == (r.request,)
+        and not r.request.sampling_params.edits_logits and not r.request.needs_prompt_logits
+        for r in rows)
+
+
+def spec_tokens(runner, rows: int) -> int:
+    """The token bucket of a spec step of ``rows`` rows (a row bucket): each row's k + 1."""
+    return pow2(rows * (runner.spec_k + 1))
+
+
+def launch_spec_step(runner, rows, version):
+    """Dispatches a spec step (`jaxkv.runtime.steps`) over decode ``rows``: logits only at
+    their positions, verification and plain sampling in one program. Returns what
+    `ModelRunner.launch_step` returns."""
+    from jaxkv.engine.runner import TokenRead
+
+    r = fit(len(rows), runner.row_buckets)
+    batch = build_batch(rows, runner.page_table, tokens_bucket=spec_tokens(runner, r),
+                        vocab_size=runner.model.config.vocab_size, window=runner.window_table)
+    drafts = None
+    if runner.steps.draft is not None:
+        batch, drafts = draft_on_device(runner, rows, batch)
+    idx, draft, num, keys, arrays, banned = _inputs(runner, rows, batch.cu_q_lens)
+    tokens, logits, runner.state = runner.steps.spec_step(
+        runner.model.params, runner.state, batch, idx, draft if drafts is None else drafts,
+        num, keys, arrays, banned)
+    runner.num_steps += 1
+    verified = Verified(list(rows), tokens, _logprobs(rows, tokens, logits))
+    tokenizer = runner.model.tokenizer
+
+    def read():
+        emitted = verified.read(tokenizer)
+        return "step", [emitted[r.slot] if r.num_draft else emitted[r.slot][:1] for r in rows]
+    return TokenRead(read, version, tokens)
+
+
+def warm_draft(runner, r: int) -> None:
+    """Compiles the draft program for r rows (idle: it writes nothing), the placing of its
+    drafts in each token bucket, and their verification."""
+    out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
+                                              _draft_inputs(runner, r))
+    for t in {*runner.token_buckets, spec_tokens(runner, r)}:
+        _, drafts = _place(np.zeros(t, np.int32), np.full((r, runner.spec_k), t, np.int32), out)
+    _warm_verify_rows(runner, r, drafts)
+    _warm_spec_step(runner, r, drafts)
+
+
+def _warm_spec_step(runner, r: int, drafts) -> None:
+    """Compiles the spec step of r rows (padding: it writes nothing)."""
+    batch = padding_batch(spec_tokens(runner, r), runner.page_table, runner.window_table)
+    if runner.steps.draft is not None:
+        batch = committed_tokens(runner, batch)
+    k1 = runner.spec_k + 1
+    keys, arrays = runner.sampling([], rows=r)
+    tokens, logits, runner.state = runner.steps.spec_step(
+        runner.model.params, runner.state, batch, np.zeros((r, k1), np.int32), drafts,
+        np.zeros(r, np.int32), keys, arrays, np.full((r, k1, MAX_BANNED), -1, np.int32))
+    token_logprobs(logits, jnp.maximum(tokens, 0).reshape(-1), MAX_LOGPROBS)
+
+
+def warm_verify(runner, t: int, r: int) -> None:
+    """Compiles the gather of r rows' hidden states from a step of t tokens; with the first
+    t, their verification (whose shapes depend on r only) and its logprobs."""
+    hidden = commit(np.zeros((t, runner.model.config.hidden_size), runner.model.dtype))
+    take_rows(hidden, np.zeros((r, runner.spec_k + 1), np.int32))
+    if t == runner.token_buckets[0] and runner.steps.draft is None:  # (else: warm_draft)
+        drafts = np.zeros((r, runner.spec_k), np.int32)
+        _warm_verify_rows(runner, r, drafts)
+        _warm_spec_step(runner, r, drafts)
+
+
+def _warm_verify_rows(runner, r: int, drafts) -> None:
+    k1 = runner.spec_k + 1
+    hidden = take_rows(commit(np.zeros((k1, runner.model.config.hidden_size),
+                                       runner.model.dtype)), np.zeros((r, k1), np.int32))
+    keys, arrays = runner.sampling([], rows=r)
+    tokens, logits = runner.steps.verify(
+        runner.model.params, hidden, drafts, np.zeros(r, np.int32), keys, arrays,
+        np.full((r, k1, MAX_BANNED), -1, np.int32))
+    token_logprobs(logits, jnp.maximum(tokens, 0).reshape(-1), MAX_LOGPROBS)

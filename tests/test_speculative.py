@@ -1,0 +1,278 @@
+"""Speculative decoding through the engine (issue 29): n-gram prompt lookup and
+self-speculation verified in the ragged step.
+
+Greedy tokens equal decoding without speculation on random traces (shared prefixes, n = 2,
+aborts, a pool small enough to preempt), with the page books checked after every step and
+nothing left held when the engine is idle; sampled continuations are distributed as without
+speculation, and a deliberately biased acceptance rule fails the same statistic.
+"""
+
+import dataclasses
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv import Engine, SamplingParams
+from jaxkv.config import SpeculativeConfig
+from jaxkv.engine.speculation import ngram_drafts
+from jaxkv.runtime import steps as steps_module
+from jaxkv.runtime.sampling import inverse_cdf
+
+SHAPE = dict(page_size=4, num_pages=40, max_num_seqs=4, max_model_len=96,
+             max_num_batched_tokens=32)
+# speculating at every batch size, so the traces' company speculates too
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+         "min_draft_tokens": 1}
+SELF = {"method": "self", "num_speculative_tokens": 3, "num_draft_layers": 1,
+        "min_acceptance_rate": 0.0,  # keeps speculating, whatever the random draft's rate
+        "disable_by_batch_size": None}
+
+
+def test_ngram_drafts_take_the_latest_longest_match():
+    seq = [1, 2, 3, 9, 1, 2, 4, 7, 5, 2, 3, 8, 6, 1, 2]
+    # "1 2" last occurs at 4 (followed by 4 7 5); the suffix itself is not a match
+    assert ngram_drafts(seq, 3, 1, 3) == [4, 7, 5]
+    # a longer suffix wins: "6 1 2" never occurred, "2 3" did not end it... "x 1 2" neither
+    assert ngram_drafts([7, 1, 2, 3, 0, 1, 2, 5, 7, 1, 2], 2, 2, 3) == [3, 0]
+    assert ngram_drafts([1, 2, 3, 4], 3, 2, 3) == []  # nothing repeats
+    assert ngram_drafts([1, 2, 1, 2], 5, 2, 2) == [1, 2]  # cut at the sequence's end
+    assert ngram_drafts([4], 3, 1, 2) == []
+
+
+def test_config_errors_name_the_field(tiny_model):
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="num_speculative_tokenz"):
+        Engine(tiny_model, num_pages=16, speculative_config={"num_speculative_tokenz": 2})
+    with pytest.raises(ValueError, match="not JSON"):
+        Engine(tiny_model, num_pages=16, speculative_config="{method: ngram}")
+    with pytest.raises(ValueError, match="num_draft_layers=2"):
+        Engine(tiny_model, num_pages=16, speculative_config={"method": "self",
+                                                             "num_draft_layers": 2})
+    with pytest.raises(ValueError, match="speculate"):
+        SamplingParams(speculate="no")
+    with pytest.raises(ValueError, match="num_draft_layers is for method 'self'"):
+        SpeculativeConfig(method="ngram", num_draft_layers=3)
+    with pytest.raises(ValueError, match="min_draft_tokens"):
+        SpeculativeConfig(num_speculative_tokens=1, min_draft_tokens=2)
+    assert SpeculativeConfig.of("null") is None
+    # the default k follows the method, also through dataclasses.replace
+    assert SpeculativeConfig().k == 7
+    assert dataclasses.replace(SpeculativeConfig(), method="self").k == 3
+    engine = Engine(tiny_model, num_pages=16, speculative_config='{"num_speculative_tokens": 2}')
+    assert engine.config.scheduler.speculative_config == SpeculativeConfig(
+        num_speculative_tokens=2)
+
+
+def _run(model, requests, spec, *, aborts=(), **shape):
+    """Runs ``requests`` ((rid, prompt, SamplingParams, arrival step)); returns the finished
+    outputs by id and the engine. The page books are checked after every step."""
+    return _run_on(Engine(model, **{**SHAPE, **shape}, speculative_config=spec), requests,
+                   aborts)
+
+
+def _run_on(engine, requests, aborts=()):
+    done, aborted = {}, set()
+    for step in range(600):
+        for rid, prompt, sp, arrive in requests:
+            if arrive == step:
+                engine.add_request(rid, prompt_token_ids=prompt, sampling_params=sp)
+        for rid, at in aborts:
+            if at == step and engine.has_request(rid):
+                engine.abort(rid)
+                aborted.add(rid)
+        for out in engine.step():
+            if out.finished and out.request_id not in aborted:
+                done[out.request_id] = out
+        engine.check()
+        if step > max(r[3] for r in requests) and not engine.has_unfinished_requests():
+            break
+    else:
+        raise AssertionError("the requests did not finish")
+    stats = engine.stats()
+    assert stats.kv_pages_used == 0  # only the prefix cache holds pages once idle
+    assert stats.kv_pages_cached + stats.kv_pages_free == stats.kv_pages_total
+    return done, engine
+
+
+@st.composite
+def traces(draw):
+    """Prompts with repeats (so n-gram lookup finds drafts), some sharing a prefix."""
+    shared = draw(st.lists(st.integers(4, 96), min_size=2, max_size=9))
+    requests, aborts = [], []
+    for i in range(draw(st.integers(2, 5))):
+        chunk = draw(st.lists(st.integers(4, 96), min_size=2, max_size=6))
+        prompt = draw(st.sampled_from([[], shared])) + chunk * draw(st.integers(1, 3))
+        n = draw(st.sampled_from([1, 1, 2]))
+        sp = SamplingParams(n=n, temperature=0, max_tokens=draw(st.integers(1, 24)),
+                            ignore_eos=True, logprobs=draw(st.sampled_from([None, 2])))
+        requests.append((f"r{i}", prompt, sp, draw(st.integers(0, 4))))
+        if draw(st.integers(0, 4)) == 0:
+            aborts.append((f"r{i}", requests[-1][3] + draw(st.integers(0, 6))))
+    return requests, aborts
+
+
+def _check_greedy_trace(model, trace, spec):
+    requests, aborts = trace
+    want, _ = _run(model, requests, None, aborts=aborts)
+    got, engine = _run(model, requests, spec, aborts=aborts)
+    # an abort may land before or after a request finished: compare what finished in both
+    never_aborted = {r[0] for r in requests} - {rid for rid, _ in aborts}
+    assert never_aborted <= got.keys() & want.keys()
+    for rid in got.keys() & want.keys():
+        a, b = got[rid].outputs, want[rid].outputs
+        assert [c.token_ids for c in a] == [c.token_ids for c in b], rid
+        for x, y in zip(a, b, strict=True):
+            if y.logprobs is not None:  # the emitted tokens' logprobs are the plain ones
+                assert [set(d) for d in x.logprobs] == [set(d) for d in y.logprobs]
+                np.testing.assert_allclose(
+                    [d[t].logprob for d, t in zip(x.logprobs, x.token_ids, strict=True)],
+                    [d[t].logprob for d, t in zip(y.logprobs, y.token_ids, strict=True)],
+                    rtol=0, atol=1e-5)
+    return engine.stats()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces())
+def test_greedy_ngram_equals_plain_decoding_on_random_traces(plain_model, trace):
+    _check_greedy_trace(plain_model, trace, NGRAM)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces())
+def test_greedy_self_speculation_equals_plain_decoding_on_random_traces(plain_model, trace):
+    _check_greedy_trace(plain_model, trace, SELF)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
+def test_speculation_accepts_drafts_under_preemption(plain_model, spec):
+    """A fixed trace that does speculate, accept and preempt (so the random traces' property
+    means something), with the counters in stats and in each request's metrics."""
+    cycle = [11, 12, 13, 14, 15, 16]
+    requests = [(f"r{i}", cycle * 3 + [20 + i], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True), 0) for i in range(4)]
+    want, _ = _run(plain_model, requests, None, num_pages=24)
+    got, engine = _run(plain_model, requests, spec, num_pages=24)
+    stats = engine.stats()
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == \
+        {k: v.outputs[0].token_ids for k, v in want.items()}
+    assert stats.preemptions > 0
+    assert stats.spec_verifications > 0 and stats.spec_accepted_tokens > 0
+    assert stats.spec_draft_tokens == sum(o.metrics.num_draft_tokens for o in got.values())
+    assert stats.spec_accepted_tokens == sum(o.metrics.num_accepted_tokens
+                                             for o in got.values())
+    assert all(o.metrics.num_draft_tokens > 0 for o in got.values())  # each speculated
+
+
+def test_opt_out_and_processors_do_not_speculate(plain_model):
+    cycle = [11, 12, 13, 14, 15, 16]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculate=False)
+    penal = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                           repetition_penalty=1.3)
+    got, engine = _run(plain_model, [("a", cycle * 3, plain, 0), ("b", cycle * 3, penal, 0)],
+                       NGRAM)
+    assert engine.stats().spec_verifications == 0
+    assert all(o.metrics.num_draft_tokens == 0 for o in got.values())
+
+
+def _resampling_verify(p, draft, num_draft, keys, step, q=None):
+    """A wrong rule (the common mistake): a rejected draft is replaced by a draw from p
+    instead of from the residual max(p - q, 0)."""
+    r, k1, v = p.shape
+    p_draft = jnp.take_along_axis(p[:, :-1], draft[..., None], axis=-1)[..., 0]
+    u = jax.vmap(lambda key, s: jax.random.uniform(jax.random.fold_in(key, s), (k1, 2)))(
+        keys, step)
+    ok = (u[:, :-1, 0] < p_draft) & (jnp.arange(k1 - 1)[None] < num_draft[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_at = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+    u_at = jnp.take_along_axis(u[:, :, 1], accepted[:, None], axis=1)[:, 0]
+    drawn = inverse_cdf(jnp.log(p_at), u_at)
+    cols = jnp.arange(k1)[None]
+    padded = jnp.concatenate([draft, jnp.zeros((r, 1), draft.dtype)], axis=1)
+    tokens = jnp.where(cols < accepted[:, None], padded,
+                       jnp.where(cols == accepted[:, None], drawn[:, None], -1))
+    return tokens.astype(jnp.int32), accepted + 1
+
+
+def _tv(a: Counter, b: Counter) -> float:
+    na, nb = sum(a.values()), sum(b.values())
+    return 0.5 * sum(abs(a[x] / na - b[x] / nb) for x in set(a) | set(b))
+
+
+N_SAMPLES = 2000
+TV_LIMIT = 0.08  # two samples of 2000 from the same 16-ish outcomes differ by ~0.04
+
+
+def _continuations(model, prompt, spec):
+    """(second, third) output tokens of N_SAMPLES seeded requests (the first comes from the
+    prefill, which never speculates; the two after it from one verification of two drafts),
+    and the engine's stats."""
+    engine = Engine(model, page_size=4, num_pages=512, max_num_seqs=32, max_model_len=64,
+                    max_num_batched_tokens=256, speculative_config=spec)
+    sp = dict(temperature=0.05, top_k=4, max_tokens=4, ignore_eos=True)
+    for i in range(N_SAMPLES):
+        engine.add_request(str(i), prompt_token_ids=prompt,
+                           sampling_params=SamplingParams(seed=i, **sp))
+    seen = Counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                seen[tuple(out.outputs[0].token_ids[1:3])] += 1
+    return seen, engine.stats()
+
+
+@pytest.fixture
+def cycling_prompt(plain_model):
+    """A prompt ending in the model's own greedy cycle: n-gram lookup drafts its likely
+    continuations, which a temperature of 0.05 keeps among several (not one) likely tokens."""
+    base = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8]
+    done, _ = _run(plain_model, [("g", base, SamplingParams(temperature=0, max_tokens=12,
+                                                             ignore_eos=True), 0)], None)
+    return base + done["g"].outputs[0].token_ids
+
+
+def test_sampled_continuations_are_distributed_as_without_speculation(plain_model,
+                                                                     cycling_prompt,
+                                                                     monkeypatch):
+    plain, _ = _continuations(plain_model, cycling_prompt, None)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 0.0,
+            "disable_by_batch_size": None, "min_draft_tokens": 0}  # every row that can
+    fast, stats = _continuations(plain_model, cycling_prompt, spec)
+    assert len(plain) >= 4  # several outcomes, none a sure winner
+    assert max(plain.values()) < 0.8 * N_SAMPLES
+    assert stats.spec_accepted_tokens > N_SAMPLES // 4  # drafts were kept, and rejected
+    assert stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert _tv(fast, plain) < TV_LIMIT
+    # The same statistic catches a biased rule through the same engine.
+    monkeypatch.setattr(steps_module, "verify", _resampling_verify)
+    steps_module.make_steps.cache_clear()  # so the programs trace the rule again
+    try:
+        biased, _ = _continuations(plain_model, cycling_prompt, spec)
+    finally:
+        steps_module.make_steps.cache_clear()
+    assert _tv(biased, plain) > 1.5 * TV_LIMIT
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
+def test_warmup_compiles_every_speculative_program(plain_model, spec):
+    from jaxkv.runtime.compiles import count_compiles
+
+    engine = Engine(plain_model, **SHAPE, speculative_config=spec)
+    assert any(kind == "verify" for kind, _ in engine.programs())
+    engine.warmup()
+    cycle = [11, 12, 13, 14, 15, 16]
+    with count_compiles() as compiles:
+        _run_on(engine, [(str(i), cycle * (i + 2), SamplingParams(
+            temperature=0.5 * (i % 2), seed=i, max_tokens=20, ignore_eos=True,
+            logprobs=1 if i == 2 else None), 0) for i in range(3)])
+    assert engine.stats().spec_verifications > 0
+    assert compiles.count == 0
