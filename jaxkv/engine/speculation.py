@@ -77,11 +77,12 @@ class Speculator:
                 and req.num_pending_tokens == 1 and req.num_computed_tokens >= req.prefill_end)
 
     def propose(self, req, room: int) -> tuple[int, ...]:
-        """Draft tokens for ``req``'s next step, at most ``room`` (the step's budget) and
-        fewer than its output tokens left; for ``self``, placeholders the device fills."""
+        """Draft tokens for ``req`` (an `eligible` one)'s next step, at most ``room`` (its
+        share of the budget) and fewer than its output tokens left; for ``self``,
+        placeholders the device fills."""
         left = req.sampling_params.max_tokens - req.num_output_tokens - 1
         most = min(self.k, room, left)
-        if most <= 0 or not self.eligible(req):
+        if most <= 0:
             return ()
         if self.on_device:
             return (0,) * most
