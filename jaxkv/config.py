@@ -13,32 +13,20 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import functools
 import inspect
-import json
 import numbers
-from collections.abc import Sequence
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
-QUANTIZATIONS = ("none", "int8", "int8-g32", "int4", "int4-g32", "int4-g64", "int4-g128",
-                 "gguf")
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu", "pallas-gpu",
-                   "pallas-tpu")
-MODEL_DTYPES = ("auto", "float32", "bfloat16")
-
-
-def _positive(owner: str, name: str, value, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
-
-
-def _one_of(owner: str, name: str, value, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}, got "
-                         f"{value!r}")
+from jaxkv.config_checks import (  # noqa: F401 - the constants are part of this module's API
+    ATTENTION_IMPLS,
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+    QUANTIZATIONS,
+    nearest_name,
+)
+from jaxkv.config_checks import one_of as _one_of
+from jaxkv.config_checks import positive as _positive
+from jaxkv.config_speculative import SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,92 +79,6 @@ class CacheConfig:
         if h and not self.enable_prefix_caching:
             raise ValueError(f"{name}.host_kv_cache_bytes needs enable_prefix_caching=True (the "
                              "host tier keeps prefix-cache entries)")
-
-
-SPECULATIVE_METHODS = ("ngram", "self")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (`jaxkv.engine.speculation`): a cheap proposer drafts up to
-    ``num_speculative_tokens`` tokens per decoding sequence and one target step verifies them
-    (exact rejection sampling: outputs are distributed as without speculation)."""
-
-    method: str = "ngram"
-    """ngram: the continuation of the latest earlier match of the sequence's last n tokens
-    (prompt lookup, on the host); self: the model's first num_draft_layers layers and its LM
-    head draft greedily on device (no extra weights)."""
-    num_speculative_tokens: int | None = None
-    """Draft tokens per sequence per step (k): one step emits up to k + 1 tokens (default:
-    7 for ngram, whose k + 1 = 8 tokens cost a CPU step what 5 do; 3 for self, whose
-    drafts run one after another)."""
-    prompt_lookup_min: int = 2
-    """ngram: the shortest suffix matched."""
-    prompt_lookup_max: int = 4
-    """ngram: the longest suffix matched (longer matches are tried first)."""
-    num_draft_layers: int | None = None
-    """self: layers of the draft (default: half the model's)."""
-    disable_by_batch_size: int | None = 2
-    """No speculation in a step with more running sequences than this (None: never off).
-    On a 2-core CPU, n-gram speculation stops paying between 2 and 4 sequences (`jaxkv
-    bench spec`); GPUs and TPUs, whose steps cost about the same for 8 tokens a row as for
-    one, may raise it."""
-    min_draft_tokens: int = 2
-    """A step speculates only if its decoding sequences drafted at least this many tokens
-    each on average (a step of k + 1 tokens a row costs more than a few drafts gain on CPU)."""
-    min_acceptance_rate: float = 0.1
-    """A sequence stops speculating once 4 * k of its drafts are verified and fewer than this
-    fraction were accepted."""
-
-    def __post_init__(self):
-        name = type(self).__name__
-        _one_of(name, "method", self.method, SPECULATIVE_METHODS)
-        _positive(name, "num_speculative_tokens", self.num_speculative_tokens, optional=True)
-        for field in ("prompt_lookup_min", "prompt_lookup_max"):
-            _positive(name, field, getattr(self, field))
-        if self.num_draft_layers is not None and self.method != "self":
-            raise ValueError(f"{name}.num_draft_layers is for method 'self', not "
-                             f"{self.method!r}")
-        for field in ("num_draft_layers", "disable_by_batch_size"):
-            _positive(name, field, getattr(self, field), optional=True)
-        m = self.min_draft_tokens
-        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.k:
-            raise ValueError(f"{name}.min_draft_tokens must be an int in [0, k={self.k}] "
-                             f"(num_speculative_tokens), got {m!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"{name}.prompt_lookup_min={self.prompt_lookup_min} exceeds "
-                             f"prompt_lookup_max={self.prompt_lookup_max}")
-        r = self.min_acceptance_rate
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
-            raise ValueError(f"{name}.min_acceptance_rate must be in [0, 1], got {r!r}")
-
-    @property
-    def k(self) -> int:
-        """num_speculative_tokens, or the method's default."""
-        n = self.num_speculative_tokens
-        return n if n is not None else 7 if self.method == "ngram" else 3
-
-    @classmethod
-    def of(cls, value) -> SpeculativeConfig | None:
-        """A config from None, a SpeculativeConfig, a dict of its fields, or their JSON (the
-        CLI's); ValueError naming an unknown field."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not JSON ({e}): {value!r}") from None
-            if value is None:  # "null": off
-                return None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict of SpeculativeConfig fields "
-                             f"(or its JSON), got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = [k for k in value if k not in known]
-        if bad:
-            raise ValueError(f"speculative_config: {unknown_setting(bad[0], known)}")
-        return cls(**value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,10 +244,7 @@ def field_sections() -> dict[str, str]:
 
 def unknown_setting(key: str, known=None) -> str:
     """The error for an unknown setting: its name and the nearest known one."""
-    known = sorted(field_sections() if known is None else known)
-    near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
-    return f"unknown setting {key!r}{hint} (settings: {', '.join(known)})"
+    return nearest_name(key, field_sections() if known is None else known)
 
 
 @functools.cache

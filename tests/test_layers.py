@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The `jaxkv` package itself (its public names) is for the applications above the engine.
 RANK = {
     "pallas_kernels": 0, "jaxkv.errors": 0, "jaxkv.config": 0, "jaxkv.cli_settings": 0,
+    "jaxkv.config_checks": 0, "jaxkv.config_speculative": 0,
     "jaxkv.model": 1, "jaxkv.sampling_params": 1,
     "jaxkv.kv": 2, "jaxkv.attention": 2, "jaxkv.sharding": 2, "jaxkv.distributed": 2,
     "jaxkv.cache": 2,
@@ -25,7 +26,8 @@ RANK = {
     "jaxkv": 6, "jaxkv.server": 6, "jaxkv.bench": 6, "jaxkv.memory_cli": 6,
     "jaxkv.cli": 7,
 }
-HOST_ONLY = ("jaxkv.config", "jaxkv.cli_settings", "jaxkv.cache.allocator", "jaxkv.cache.prefix",
+HOST_ONLY = ("jaxkv.config", "jaxkv.config_checks", "jaxkv.config_speculative",
+             "jaxkv.cli_settings", "jaxkv.cache.allocator", "jaxkv.cache.prefix",
              "jaxkv.cache.radix", "jaxkv.cache.host_radix", "jaxkv.cache.memory",
              "jaxkv.engine.scheduler", "jaxkv.engine.plan", "jaxkv.engine.request",
              "jaxkv.engine.connector",

@@ -1,5 +1,5 @@
-"""Speculative decoding through the engine (issue 29): n-gram prompt lookup and
-self-speculation verified in the ragged step.
+"""Speculative decoding through the engine (issue 29): n-gram prompt lookup,
+self-speculation and a draft model, verified in the ragged step.
 
 Greedy tokens equal decoding without speculation on random traces (shared prefixes, n = 2,
 aborts, a pool small enough to preempt), with the page books checked after every step and
@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import jaxkv
 from jaxkv import Engine, SamplingParams
 from jaxkv.config import SpeculativeConfig
 from jaxkv.engine.speculation import ngram_drafts
@@ -31,6 +32,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size"
 SELF = {"method": "self", "num_speculative_tokens": 3, "num_draft_layers": 1,
         "min_acceptance_rate": 0.0,  # keeps speculating, whatever the random draft's rate
         "disable_by_batch_size": None}
+# a quantized copy of the target drafts (it mostly agrees with the target, not always)
+DRAFT = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3,
+         "min_acceptance_rate": 0.0, "disable_by_batch_size": None}
 
 
 def test_ngram_drafts_take_the_latest_longest_match():
@@ -64,6 +68,27 @@ def test_config_errors_name_the_field(tiny_model):
         SpeculativeConfig(method="ngram", num_draft_layers=3)
     with pytest.raises(ValueError, match="min_draft_tokens"):
         SpeculativeConfig(num_speculative_tokens=1, min_draft_tokens=2)
+    with pytest.raises(ValueError, match="needs a model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="model is for method 'draft_model'"):
+        SpeculativeConfig(method="ngram", model="smollm2")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        SpeculativeConfig(method="draft_model", quantization="int3")
+    other = dataclasses.replace(tiny_model.config, vocab_size=tiny_model.config.vocab_size + 1)
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary"):
+        Engine(tiny_model, num_pages=16, speculative_config={
+            "method": "draft_model", "model": jaxkv.random_model(other)})
+    int8 = jaxkv.random_model(tiny_model.config, quantization="int8")
+    with pytest.raises(ValueError, match="speculative_config.quantization: the target is "):
+        Engine(int8, num_pages=16, speculative_config={"method": "draft_model",
+                                                       "quantization": "int4"})
+    with pytest.raises(ValueError, match="speculative_config.quantization='int4', but the "):
+        Engine(tiny_model, num_pages=16, speculative_config={
+            "method": "draft_model", "model": int8, "quantization": "int4"})
+    with pytest.raises(ValueError, match="speculative_config.model='/nowhere'"):
+        Engine(tiny_model, num_pages=16, speculative_config={"method": "draft_model",
+                                                             "model": "/nowhere"})
+    assert SpeculativeConfig(num_speculative_tokens=1).min_drafts == 1  # the default follows k
     assert SpeculativeConfig.of("null") is None
     # the default k follows the method, also through dataclasses.replace
     assert SpeculativeConfig().k == 7
@@ -153,7 +178,19 @@ def test_greedy_self_speculation_equals_plain_decoding_on_random_traces(plain_mo
     _check_greedy_trace(plain_model, trace, SELF)
 
 
-@pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces())
+def test_greedy_draft_model_equals_plain_decoding_on_random_traces(plain_model, tiny_config,
+                                                                  trace):
+    """With the target's own weights as the draft, every draft is accepted only if the draft's
+    books hold through the traces' aborts, forks and shared prefixes."""
+    copy = jaxkv.random_model(tiny_config, seed=0)
+    stats = _check_greedy_trace(plain_model, trace, {**DRAFT, "quantization": None,
+                                                     "model": copy})
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SELF, DRAFT], ids=["ngram", "self", "draft"])
 def test_speculation_accepts_drafts_under_preemption(plain_model, spec):
     """A fixed trace that does speculate, accept and preempt (so the random traces' property
     means something), with the counters in stats and in each request's metrics."""
@@ -262,7 +299,7 @@ def test_sampled_continuations_are_distributed_as_without_speculation(plain_mode
     assert _tv(biased, plain) > 1.5 * TV_LIMIT
 
 
-@pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
+@pytest.mark.parametrize("spec", [NGRAM, SELF, DRAFT], ids=["ngram", "self", "draft"])
 def test_warmup_compiles_every_speculative_program(plain_model, spec):
     from jaxkv.runtime.compiles import count_compiles
 
@@ -276,3 +313,91 @@ def test_warmup_compiles_every_speculative_program(plain_model, spec):
             logprobs=1 if i == 2 else None), 0) for i in range(3)])
     assert engine.stats().spec_verifications > 0
     assert compiles.count == 0
+
+
+def _recording(draft):
+    """Wraps ``draft.propose`` to record (context, drafts): each proposal's sequence up to
+    its pending token, and the tokens drafted after it."""
+    seen, propose = [], draft.propose
+
+    def record(runner, rows):
+        out = propose(runner, rows)
+        got = np.asarray(out)
+        for i, row in enumerate(rows):
+            if not row.num_draft:
+                continue
+            context = tuple(row.request.token_ids[:row.start]) + (row.tokens[0],)
+            seen.append((context, [int(t) for t in got[:row.num_draft, i]]))
+        return out
+    draft.propose = record
+    return seen
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["copy", "other"])
+def test_draft_model_proposes_its_own_greedy_continuation(plain_model, tiny_config, same):
+    """The draft's pool is kept by its own books (which positions of each sequence it holds),
+    through prefix-cache hits (pages it never wrote), prompts longer than a step (filled in
+    chunks), decode loops it did not see (more running than disable_by_batch_size), rejected
+    drafts (their K/V is stale) and preemption (new pages). Each proposal must be the draft
+    model's own greedy continuation of the sequence, computed apart by a plain engine of the
+    draft: stale or missing K/V changes it. A draft with the target's very weights has every
+    draft accepted; a different one has most rejected (so the rollback is exercised)."""
+    draft = jaxkv.random_model(tiny_config, seed=0 if same else 1)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 2, "min_draft_tokens": 1, "min_acceptance_rate": 0.0}
+    shared = [(7 * i) % 90 + 4 for i in range(40)]  # > max_num_batched_tokens: chunked fills
+    crowd = [(f"r{i}", shared + [10 + i, 20 + i], SamplingParams(
+        temperature=0, max_tokens=16 + 10 * i, ignore_eos=True), i % 2) for i in range(4)]
+    # one long request speculating alone, and short ones arriving now and then: each runs
+    # beside it in decode loops without speculation (after rejections of its drafts)
+    spaced = [("long", shared[:20], SamplingParams(temperature=0, max_tokens=60,
+                                                   ignore_eos=True), 0)]
+    spaced += [(f"s{i}", [30 + i, 31, 32], SamplingParams(temperature=0, max_tokens=9,
+                                                          ignore_eos=True), 3 + 7 * i)
+               for i in range(4)]
+    seen = []
+    for requests, company in ((crowd, 2), (spaced, 1)):
+        want, _ = _run(plain_model, requests, None, num_pages=30)
+        engine = Engine(plain_model, **{**SHAPE, "num_pages": 30}, speculative_config={
+            **spec, "disable_by_batch_size": company})
+        proposals = _recording(engine.runner.draft_model)
+        got, engine = _run_on(engine, requests)
+        seen += proposals
+        assert {k: v.outputs[0].token_ids for k, v in got.items()} == \
+            {k: v.outputs[0].token_ids for k, v in want.items()}
+        stats = engine.stats()
+        assert stats.spec_draft_tokens > 30
+        if same:
+            assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+        else:
+            assert stats.spec_accepted_tokens < stats.spec_draft_tokens // 2
+        if requests is crowd:
+            assert stats.preemptions > 0 and stats.cached_prompt_tokens > 0
+    assert len(seen) > 20
+    apart = Engine(draft, **{**SHAPE, "num_pages": 60})
+    for i, (context, drafts) in enumerate(seen):
+        apart.add_request(str(i), prompt_token_ids=list(context), sampling_params=SamplingParams(
+            temperature=0, max_tokens=len(drafts), ignore_eos=True))
+    own = {}
+    while apart.has_unfinished_requests():
+        own.update({o.request_id: o.outputs[0].token_ids for o in apart.step() if o.finished})
+    assert [own[str(i)] for i in range(len(seen))] == [d for _, d in seen]
+
+
+class Sequence:  # what the books read of a sequence (hashable by identity, as Request is)
+    num_preemptions, finish_reason = 0, None
+
+
+def test_draft_books_forget_a_preempted_sequence(plain_model):
+    """What the draft's pool holds of a sequence falls to its accepted tokens after a
+    verification, and to nothing once it was preempted (its pages may be others now)."""
+    draft = Engine(plain_model, **SHAPE, speculative_config=DRAFT).runner.draft_model
+    seq = Sequence()
+    draft.wrote(seq, 12)
+    assert draft.held(seq) == 12
+    draft.settle(seq, 9)
+    assert draft.held(seq) == 9
+    draft.settle(seq, 11)  # never more than it wrote
+    assert draft.held(seq) == 9
+    seq.num_preemptions = 1
+    assert draft.held(seq) == 0

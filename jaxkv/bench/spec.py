@@ -1,4 +1,5 @@
-"""Speculative decoding: tokens/s with n-gram lookup and self-speculation against none.
+"""Speculative decoding: tokens/s with n-gram lookup, self-speculation and a draft model
+against none.
 
 `LLM(model, speculative_config=...)` with every other setting at its default, on three
 workloads rendered with the model's chat template, at each batch size:
@@ -9,12 +10,16 @@ workloads rendered with the model's chat template, at each batch size:
 - unmatched: prompts of random tokens sampled at temperature 1 (nothing to look up, and
   drafts that are rejected when one is found): what speculation costs when it does not pay.
 
-Each cell is one timed `generate` of the batch after the engines compiled and ran once; the
+Methods: off, ngram, self, draft (``draft_model``: ``--draft-model`` if given, else the target
+quantized as ``--draft-quantization``, int4-g32 by default). Each cell is the median of
+``--repeats`` timed `generate` calls of the batch after the engines compiled and ran once, the
+methods' order rotated between repeats (engines sharing two cores disturb each other); the
 table gives tokens/s, the speedup over no speculation in the same run, the acceptance rate
 (accepted / drafted tokens), the mean accepted length (tokens emitted per verification), and
 whether greedy outputs equal the ones without speculation.
 
-    jaxkv bench spec [--model smollm2] [--methods off ngram self] [--batches 1 4 16]
+    jaxkv bench spec [--model smollm2] [--methods off ngram self draft] [--batches 1 4 16]
+        [--repeats 3] [--draft-quantization int4-g32] [--draft-model PATH]
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ QUESTIONS = ("Write a short story about a robot who learns to paint.",
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a path")
-    parser.add_argument("--methods", nargs="+", default=["off", "ngram", "self"])
+    parser.add_argument("--methods", nargs="+", default=["off", "ngram", "self", "draft"],
+                        choices=["off", "ngram", "self", "draft"])
     parser.add_argument("--workloads", nargs="+", default=["grounded", "chat", "unmatched"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -43,6 +49,12 @@ def add_arguments(parser) -> None:
                         help="self: num_draft_layers (default: half the model's)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="(default: SpeculativeConfig's)")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft: the draft's path (default: the target, quantized)")
+    parser.add_argument("--draft-quantization", default="int4-g32",
+                        help="draft: its weights' quantization ('none': as loaded)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs per cell, the median reported")
 
 
 def _passages(n: int) -> list[str]:
@@ -83,7 +95,11 @@ def _measure(llm, prompts, sp) -> tuple[float, list, dict]:
 def _config(method: str, args):
     if method == "off":
         return None
-    cfg = {"method": method}
+    cfg = {"method": "draft_model" if method == "draft" else method}
+    if method == "draft":
+        cfg["model"] = args.draft_model
+        cfg["quantization"] = None if args.draft_quantization == "none" \
+            else args.draft_quantization
     if args.k is not None:
         cfg["num_speculative_tokens"] = args.k
     if args.disable_by_batch_size is not None:
@@ -91,6 +107,16 @@ def _config(method: str, args):
     if method == "self" and args.draft_layers:
         cfg["num_draft_layers"] = args.draft_layers
     return cfg
+
+
+def _repeated(llms: dict, prompts, sps, repeats: int) -> dict:
+    """Each method's run with the median tokens/s of ``repeats`` (its order rotated)."""
+    got = {m: [] for m in llms}
+    names = list(llms)
+    for i in range(repeats):
+        for m in names[i % len(names):] + names[:i % len(names)]:
+            got[m].append(_measure(llms[m], prompts, sps))
+    return {m: sorted(runs, key=lambda x: x[0])[len(runs) // 2] for m, runs in got.items()}
 
 
 def run(args) -> dict:
@@ -114,12 +140,14 @@ def run(args) -> dict:
         for prompts, sps in work.values():
             _measure(llm, prompts[:1], sps[0])
     print(f"{described}: LLM defaults + speculative_config, {args.new_tokens} new tokens per "
-          f"request, k={args.k}, disable_by_batch_size={args.disable_by_batch_size}")
+          f"request, k={args.k}, disable_by_batch_size={args.disable_by_batch_size}, "
+          f"draft: {args.draft_model or 'the target'} ({args.draft_quantization}), "
+          f"median of {args.repeats}")
     print(f"{'workload':<10} {'batch':>5} {'method':<6} {'tok/s':>7} {'speedup':>8} "
           f"{'accept':>7} {'mean len':>9} {'same':>5}")
     rows = []
     for (w, b), (prompts, sps) in work.items():
-        runs = {m: _measure(llm, prompts, sps) for m, llm in llms.items()}
+        runs = _repeated(llms, prompts, sps, args.repeats)
         base_tps, base_tokens, _ = runs.get("off", (None, None, None))
         for m, (tps, tokens, d) in runs.items():
             rate = d["spec_accepted_tokens"] / d["spec_draft_tokens"] \

@@ -389,9 +389,9 @@ class Engine:
         ("copy_pages", N), ("sample", B), ("logprobs", B), ("fill_pages", N) with
         debug_nan_freed_pages, ("host_save", N) / ("host_load", N) with a host tier, and with
         speculative decoding ("verify", (T, R)) (a spec step's gather and verification per
-        token and row bucket, its spec step per row bucket) and ("draft", R) for ``self``.
-        Not listed: the small programs that requests with ``prompt_logprobs`` (one per token
-        bucket) or logits processors (one per entry bucket) compile on first use."""
+        token and row bucket, its spec step per row bucket), ("draft", R) for drafts from
+        the device. Not listed: the small programs that requests with ``prompt_logprobs``
+        (one per token bucket) or logits processors (one per entry bucket) compile first."""
         return self.runner.programs()
 
     def warmup(self) -> int:

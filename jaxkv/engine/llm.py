@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from jaxkv.config import DisaggConfig, EngineConfig, field_sections, unknown_setting
 from jaxkv.disagg import DisaggregatedEngine
+from jaxkv.engine.draft_model import load_draft
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.pool_plan import model_kv_spec, plan_kv_pool
 from jaxkv.engine.replicas import ReplicatedEngine
@@ -101,9 +102,19 @@ class LLM:
         if quant is not None and model.quantization is None:
             model = quantize(model, quant)
         split = [(devices[:need], tp)] if sides is None else sides
-        if sides is not None:  # hand-offs carry every layer's pages: local layers keep all
+        spec = load_draft(cfg.scheduler.speculative_config, model,
+                          on_host=need > 1 or sides is not None)
+        if spec is not cfg.scheduler.speculative_config:  # loaded once, for every engine
+            cfg = EngineConfig.from_kwargs(cfg, speculative_config=spec)
+        if sides is not None or spec is not None and spec.method == "draft_model":
+            # hand-offs carry every layer's pages, and a draft model reads every position's
+            # pages of its own: local layers keep all
             cfg = EngineConfig.from_kwargs(cfg, window_kv=False)
-        pools = [plan_kv_pool(model, cfg, n, devs[0]) for devs, n in split]
+        # disaggregated, the decode side speculates: the prefill side holds no draft
+        cfgs = [cfg] if sides is None else \
+            [EngineConfig.from_kwargs(cfg, speculative_config=None), cfg]
+        pools = [plan_kv_pool(model, c, n, devs[0])
+                 for (devs, n), c in zip(split, cfgs, strict=True)]
         self.config = cfg
         self.kv_pool = pools[-1]  # the decode side's, when disaggregated
         self.prefill_kv_pool = pools[0] if sides is not None else None
@@ -111,9 +122,9 @@ class LLM:
         self._ids = itertools.count()
         max_len = min(p.max_model_len for p in pools)
         if sides is not None:  # one seed: the decode side continues the prefill side's samples
-            prefill, decode = (Engine(model, _engine_config(cfg, pool, max_len),
+            prefill, decode = (Engine(model, _engine_config(c, pool, max_len),
                                       mesh=make_mesh(n, devs))
-                               for (devs, n), pool in zip(sides, pools, strict=True))
+                               for (devs, n), pool, c in zip(sides, pools, cfgs, strict=True))
             self.engine = DisaggregatedEngine(prefill, decode)
         else:
             self.engine = self._colocated(model, cfg, devices, need, max_len)

@@ -49,6 +49,9 @@ def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolP
         full_spec, window_spec = kv_specs(model.config, stored, True)
     except ValueError as e:
         raise ValueError(f"LLM: {e}") from None
+    draft = _draft(config)  # speculative decoding's draft model: its pages ride along
+    extra = 0 if draft is None else kv_spec(
+        draft.config, storage_dtype(cache.kv_cache_dtype, draft.dtype)).replicated(tp)
     longest = sched.max_model_len or model.config.max_position_embeddings
     cap = sched.max_num_seqs * cdiv(longest, page_size) + 1  # max_num_seqs full sequences
     memory, source = None, "num_pages"
@@ -58,16 +61,17 @@ def plan_kv_pool(model: Model, config: EngineConfig, tp: int, device) -> KVPoolP
                                max_num_batched_tokens=sched.max_num_batched_tokens,
                                max_num_seqs=sched.max_num_seqs,
                                dtype_bytes=np.dtype(model.dtype).itemsize, device=device,
-                               pending_bytes=weights_to_place(model, device, tp))
+                               pending_bytes=weights_to_place(model, device, tp)
+                               + (0 if draft is None else weights_to_place(draft, device, tp)))
             memory, source = budget.bytes, budget.source
         else:
             memory, source = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
     # every layer keeping every token: the pool, and the yardstick of window-only KV's
-    plain = _pages(memory, every.replicated(tp) * page_size, cap, cache, stored) \
+    plain = _pages(memory, (every.replicated(tp) + extra) * page_size, cap, cache, stored) \
         if memory is not None else cache.num_pages
     if need is not None and cache.num_window_slots is None and need >= plain:
         need = None  # the windows' slots would cost what keeping every token does
-    per_token = (full_spec if need else every).replicated(tp)  # per replica
+    per_token = (full_spec if need else every).replicated(tp) + extra  # per replica
     page_bytes = per_token * page_size
     slot_bytes = window_spec.replicated(tp) * page_size if need else 0
     num_pages, slots = plain, need
@@ -165,6 +169,11 @@ def window_stats(window) -> dict:
         return {}
     return dict(window_slots_total=window.num_slots, window_slots_pinned=window.num_pinned,
                 window_slots_cached=window.num_idle, window_slot_evictions=window.evictions)
+
+
+def _draft(config: EngineConfig) -> Model | None:
+    spec = config.scheduler.speculative_config
+    return spec.model if spec is not None and isinstance(spec.model, Model) else None
 
 
 def weights_to_place(model: Model, device, tp: int) -> int:

@@ -23,6 +23,8 @@ def recover(engine: Engine) -> bool:
         if runner.debug_nan_freed_pages:
             engine.allocator.drain_freed()  # the new state starts zeroed
         runner.state = runner.new_state()
+        if runner.draft_model is not None:  # (its pool may be the one lost)
+            runner.draft_model.state = runner.draft_model.new_state(runner)
         engine.state_resets += 1  # (a DisaggregatedEngine's hand-offs lost their KV too)
     elif host is not None and host.loads_skipped:  # entries promoted for loads that never
         engine.radix.clear()  # ran: only the failed requests held them, so every such goes

@@ -31,6 +31,7 @@ from jaxkv.cache.window import WindowSlots
 from jaxkv.config import EngineConfig, cdiv
 from jaxkv.engine import logprobs, spec_runner
 from jaxkv.engine import warmup as compile_ahead
+from jaxkv.engine.draft_model import DraftModel, load_draft
 from jaxkv.engine.host_tier import HostKVPool
 from jaxkv.engine.plan import ScheduledRow, SchedulerOutput
 from jaxkv.kv import init_state
@@ -139,6 +140,18 @@ class ModelRunner:
         self.state = self.new_state()
         self.host_pool = self._host_pool(cache.host_kv_cache_bytes)
         self.num_steps = 0  # device steps run (a loop's count as many as it ran)
+        self.draft_model = None  # speculative decoding's draft_model: its own pool and books
+        if spec is not None and spec.method == "draft_model":
+            if window is not None:
+                raise ValueError("Engine: speculative_config method 'draft_model' needs "
+                                 "window_kv=False (the draft keeps every position's K/V)")
+            draft = load_draft(spec, model, on_host=mesh is not None).model
+            self.draft_model = DraftModel(draft, self, spec.k, max_model_len)
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether speculation's drafts come from the device (``self``, ``draft_model``)."""
+        return self.steps.draft is not None or self.draft_model is not None
 
     def _host_pool(self, nbytes: int) -> HostKVPool | None:
         if nbytes == 0:
@@ -164,10 +177,11 @@ class ModelRunner:
         """True if the KV state is unusable: donated to a step that failed before returning
         (deleted buffers), or the output of a step that failed on the device after returning
         (an async error that surfaces when the arrays are read)."""
+        states = (self.state, None if self.draft_model is None else self.draft_model.state)
         try:
-            if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+            if any(x.is_deleted() for x in jax.tree.leaves(states)):
                 return True
-            jax.block_until_ready(self.state)
+            jax.block_until_ready(states)
             return False
         except Exception:  # noqa: BLE001 - whatever the device reports, the state is gone
             return True
@@ -226,7 +240,7 @@ class ModelRunner:
                                               self.token_buckets),
                             vocab_size=self.model.config.vocab_size, window=self.window_table)
         spec, drafts = [r for r in rows if r.num_draft], None
-        if self.steps.draft is not None:  # self-speculation: drafts from the device
+        if self.drafts_on_device:  # drafts from the device
             batch, drafts = spec_runner.draft_on_device(self, spec, batch) if spec else \
                 (spec_runner.committed_tokens(self, batch), None)
         keys, arrays = self.sampling([(r.slot, r.samples[0]) for r in rows if r.samples])

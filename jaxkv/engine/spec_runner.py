@@ -1,4 +1,5 @@
-"""Speculative decoding's device side for a `ModelRunner`: drafting on device (``self``), and
+"""Speculative decoding's device side for a `ModelRunner`: drafting on device (``self``,
+``draft_model``), and
 verifying every speculating row of a ragged step (`jaxkv.engine.speculation` has the host's
 part, `jaxkv.runtime.spec_verify` the rule).
 
@@ -7,6 +8,7 @@ its drafts), then one ``verify`` program per row bucket turns those rows' hidden
 target's logits at every position and accepts or draws. With ``self``, a draft program (a decode
 loop of the first layers, greedy) runs first on the same rows and pages, and its tokens are
 written into the step's token array on device: nothing goes back to the host in between.
+``draft_model`` does the same with a second model over its own pool (`DraftModel`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.engine.logprobs import entry, namer
 from jaxkv.runtime.batch import StepBatch, build_batch, fit, padding_batch, pow2
+from jaxkv.runtime.draft_steps import draft_loop_inputs
 from jaxkv.runtime.sampling import MAX_BANNED, token_logprobs
-from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, take_rows
+from jaxkv.runtime.steps import DecodeLoopBatch, take_rows
 from jaxkv.sampling_params import MAX_LOGPROBS
 from jaxkv.sharding import commit
 
@@ -60,39 +63,36 @@ def committed_tokens(runner, batch: StepBatch) -> StepBatch:
 
 
 def draft_on_device(runner, rows, batch: StepBatch) -> tuple[StepBatch, jax.Array]:
-    """Runs the self-speculation draft for ``rows`` (their pages and tables already set by
+    """Runs the device's draft (``self``: the first layers; ``draft_model``: the draft
+    model, `jaxkv.engine.draft_model`) for ``rows`` (their pages and tables already set by
     `build_batch`) and writes its tokens into ``batch``; returns the batch and the drafts
     (i32[R, K], -1 past each row's ``num_draft``)."""
     k = runner.spec_k
     r = fit(len(rows), runner.row_buckets)
-    table = np.zeros((r, runner.max_pages_per_seq), np.int32)
-    loop = _draft_inputs(runner, r)
     at = np.full((r, k), len(batch.tokens), np.int32)
     for i, row in enumerate(rows):
-        loop.tokens[i], loop.positions[i] = row.tokens[0], row.start
-        loop.limit[i], loop.live[i] = row.num_draft, True
-        table[i] = runner.page_table.table[row.slot]
-        if loop.window_page_table is not None:
-            loop.window_page_table[i] = runner.window_table.table[row.slot]
         first = int(batch.cu_q_lens[row.slot]) + 1
         at[i, :row.num_draft] = np.arange(first, first + row.num_draft)
-    out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
-                                              loop.replace(page_table=table))
+    if runner.draft_model is not None:
+        out = runner.draft_model.propose(runner, rows)
+    else:
+        table = np.zeros((r, runner.max_pages_per_seq), np.int32)
+        loop = _draft_inputs(runner, r)
+        for i, row in enumerate(rows):
+            loop.tokens[i], loop.positions[i] = row.tokens[0], row.start
+            loop.limit[i], loop.live[i] = row.num_draft, True
+            table[i] = runner.page_table.table[row.slot]
+            if loop.window_page_table is not None:
+                loop.window_page_table[i] = runner.window_table.table[row.slot]
+        out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
+                                                  loop.replace(page_table=table))
     tokens, drafts = _place(batch.tokens, at, out)
     return batch.replace(tokens=tokens), drafts
 
 
 def _draft_inputs(runner, r: int) -> DecodeLoopBatch:
-    """The draft loop's inputs for r idle rows: greedy, no stop ids, k steps."""
-    z = np.zeros(r, np.int32)
-    return DecodeLoopBatch(
-        tokens=z.copy(), positions=z.copy(),
-        page_table=np.zeros((r, runner.max_pages_per_seq), np.int32),
-        live=np.zeros(r, bool), limit=z.copy(), generated=z, min_tokens=z,
-        max_tokens=np.full(r, 2**30, np.int32),
-        stop_ids=np.full((r, MAX_STOP_IDS), -1, np.int32), keys=np.zeros((r, 2), np.uint32),
-        temperature=np.zeros(r, np.float32), top_k=z, top_p=np.ones(r, np.float32),
-        num_steps=np.int32(runner.spec_k), window_page_table=runner.window_rows(r))
+    """The self draft loop's inputs for r idle rows: greedy, k steps."""
+    return draft_loop_inputs(r, runner.max_pages_per_seq, runner.spec_k, runner.window_rows(r))
 
 
 @dataclasses.dataclass
@@ -102,6 +102,7 @@ class Verified:
     rows: list  # the verified ScheduledRows, in order
     tokens: jax.Array  # i32[R, K + 1]
     logprobs: tuple | None  # token_logprobs' four over R * (K + 1) positions
+    draft: object = None  # the runner's DraftModel, told what each row kept
 
     def read(self, tokenizer) -> dict[int, list[int]]:
         """Each row's emitted tokens by slot; records their logprobs for those that ask."""
@@ -113,6 +114,8 @@ class Verified:
             emitted = [int(t) for t in got[i] if t >= 0]
             out[row.slot] = emitted
             seq = row.request
+            if self.draft is not None:  # its K/V past the accepted tokens is stale
+                self.draft.settle(seq, row.start + len(emitted))
             if lps is not None and seq.logprobs is not None:
                 n, name = seq.sampling_params.logprobs, namer(tokenizer)
                 for j, t in enumerate(emitted):
@@ -157,7 +160,7 @@ def dispatch_verify(runner, rows, batch: StepBatch, hidden, drafts=None) -> Veri
     tokens, logits = runner.steps.verify(runner.model.params, take_rows(hidden, idx),
                                          draft if drafts is None else drafts, num, keys,
                                          arrays, banned)
-    return Verified(list(rows), tokens, _logprobs(rows, tokens, logits))
+    return Verified(list(rows), tokens, _logprobs(rows, tokens, logits), runner.draft_model)
 
 
 def decodes_only(rows) -> bool:
@@ -184,14 +187,14 @@ def launch_spec_step(runner, rows, version):
     batch = build_batch(rows, runner.page_table, tokens_bucket=spec_tokens(runner, r),
                         vocab_size=runner.model.config.vocab_size, window=runner.window_table)
     drafts = None
-    if runner.steps.draft is not None:
+    if runner.drafts_on_device:
         batch, drafts = draft_on_device(runner, rows, batch)
     idx, draft, num, keys, arrays, banned = _inputs(runner, rows, batch.cu_q_lens)
     tokens, logits, runner.state = runner.steps.spec_step(
         runner.model.params, runner.state, batch, idx, draft if drafts is None else drafts,
         num, keys, arrays, banned)
     runner.num_steps += 1
-    verified = Verified(list(rows), tokens, _logprobs(rows, tokens, logits))
+    verified = Verified(list(rows), tokens, _logprobs(rows, tokens, logits), runner.draft_model)
     tokenizer = runner.model.tokenizer
 
     def read():
@@ -203,8 +206,11 @@ def launch_spec_step(runner, rows, version):
 def warm_draft(runner, r: int) -> None:
     """Compiles the draft program for r rows (idle: it writes nothing), the placing of its
     drafts in each token bucket, and their verification."""
-    out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
-                                              _draft_inputs(runner, r))
+    if runner.draft_model is not None:
+        out = runner.draft_model.warm(runner, r)
+    else:
+        out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
+                                                  _draft_inputs(runner, r))
     for t in {*runner.token_buckets, spec_tokens(runner, r)}:
         _, drafts = _place(np.zeros(t, np.int32), np.full((r, runner.spec_k), t, np.int32), out)
     _warm_verify_rows(runner, r, drafts)
@@ -214,7 +220,7 @@ def warm_draft(runner, r: int) -> None:
 def _warm_spec_step(runner, r: int, drafts) -> None:
     """Compiles the spec step of r rows (padding: it writes nothing)."""
     batch = padding_batch(spec_tokens(runner, r), runner.page_table, runner.window_table)
-    if runner.steps.draft is not None:
+    if runner.drafts_on_device:
         batch = committed_tokens(runner, batch)
     k1 = runner.spec_k + 1
     keys, arrays = runner.sampling([], rows=r)
@@ -229,7 +235,7 @@ def warm_verify(runner, t: int, r: int) -> None:
     t, their verification (whose shapes depend on r only) and its logprobs."""
     hidden = commit(np.zeros((t, runner.model.config.hidden_size), runner.model.dtype))
     take_rows(hidden, np.zeros((r, runner.spec_k + 1), np.int32))
-    if t == runner.token_buckets[0] and runner.steps.draft is None:  # (else: warm_draft)
+    if t == runner.token_buckets[0] and not runner.drafts_on_device:  # (else: warm_draft)
         drafts = np.zeros((r, runner.spec_k), np.int32)
         _warm_verify_rows(runner, r, drafts)
         _warm_spec_step(runner, r, drafts)

@@ -16,6 +16,8 @@ Proposers:
   decode (and a step where none matches may run as a decode loop).
 - ``self``: the model's first ``num_draft_layers`` layers and its LM head draft greedily on
   device (`jaxkv.runtime.steps`); the row's draft tokens are filled in there.
+- ``draft_model``: a second model drafts greedily on device, the same way, over its own KV
+  pool under the same page ids (`jaxkv.engine.draft_model`).
 
 Who speculates: a decoding sequence (its prompt computed: the pending token is an output
 token) with one sample stream, no logits
@@ -57,7 +59,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig | None):
         self.config = config
         self.k = 0 if config is None else config.k
-        self.on_device = config is not None and config.method == "self"
+        self.on_device = config is not None and config.method in ("self", "draft_model")
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +106,7 @@ class Speculator:
             if waiting or len(decodes) < len(running):
                 spare //= 2
             found = {q: d for q in eligible if (d := self.propose(q, spare // len(decodes)))}
-            if sum(map(len, found.values())) < self.config.min_draft_tokens * len(eligible):
+            if sum(map(len, found.values())) < self.config.min_drafts * len(eligible):
                 found = {}
         for q in eligible:  # a look that speculates nothing counts as idle
             q.idle_looks = 0 if q in found else q.idle_looks + 1

@@ -33,9 +33,9 @@ def engine_programs(engine) -> list[tuple[str, int]]:
     progs.append(("sample", engine.max_num_seqs))
     progs.append(("logprobs", engine.max_num_seqs))
     if engine.spec_k:  # speculative decoding: a gather per (token, row) bucket pair, then
-        # verification per row bucket (and the draft program, for self-speculation)
+        # verification per row bucket (and the draft's programs, when drafts come from the device)
         progs += [("verify", (t, r)) for t in engine.token_buckets for r in engine.row_buckets]
-        if engine.steps.draft is not None:
+        if engine.drafts_on_device:
             progs += [("draft", r) for r in engine.row_buckets]
     if engine.debug_nan_freed_pages:
         progs.append(("fill_pages", engine.copy_buckets[-1]))
@@ -65,7 +65,7 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
 def _padding(engine, t: int):
     """A padding step batch of t tokens, as this engine's steps take it."""
     batch = padding_batch(t, engine.page_table, engine.window_table)
-    return batch if engine.steps.draft is None else spec_runner.committed_tokens(engine, batch)
+    return spec_runner.committed_tokens(engine, batch) if engine.drafts_on_device else batch
 
 
 def _precompile(engine, progs) -> None:

@@ -75,6 +75,20 @@ def test_spec_step_kernels_fit_sm90(case, table):
         assert not r.problems()
 
 
+def test_draft_proposal_kernels_fit_sm90(table):
+    """A draft model's proposal (Llama-3.2-1B int4, 8 rows, k = 4: a ragged forward, then a
+    decode loop) lowered for CUDA: its attention kernels through ptxas."""
+    case = aot_steps.StepCase("llama-3.2-1b", "draft", 0.5, 64, 64, 8192,
+                              quantization="int4-g128")
+    step, params, state, *inputs = aot_steps.draft_inputs(case, "pallas-gpu", 8, 4)
+    reports = [aot_gpu.compile_call(c) for c in aot_gpu.triton_calls(step, params, state, *inputs)]
+    assert reports
+    for r in reports:
+        table("Triton kernels of the engine steps, sm_90 (attention_impl='pallas-gpu')",
+              ["step"] + COLUMNS, [case.name + " R=8 k=4"] + _row(r.name, case.dtype, r))
+        assert not r.problems()
+
+
 @pytest.mark.parametrize("case", [pytest.param(s, id=s.name.replace(" ", "-")) for s in STEPS])
 def test_engine_step_kernels_fit_sm90(case, table):
     """The real jitted step lowered for CUDA: its Triton kernels through ptxas."""

@@ -232,6 +232,41 @@ def test_spec_step_updates_the_pool_in_place(chip, case, table):
     assert r.largest_copy() < 0.1 * pool
 
 
+# Speculative decoding's draft model: Llama-3.2-1B (int4, group 128) drafting k = 4 tokens for
+# 8 rows of a Llama-3-8B target (same vocabulary): one ragged forward of the rows' unseen
+# tokens (T = 64), then a decode loop of 3 steps, over the draft's own pool
+# (jaxkv.runtime.draft_steps).
+DRAFT_STEPS = [
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "draft", 0.5, 64, 64, 8192,
+                               quantization="int4-g128")),
+    ("v6e", aot_steps.StepCase("llama-3.2-1b", "draft", 0.5, 64, 64, 8192,
+                               quantization="int4-g128")),
+]
+
+
+@pytest.mark.parametrize("chip, case", [pytest.param(c, s, id=f"{c}-{s.name}".replace(" ", "-"))
+                                        for c, s in DRAFT_STEPS])
+def test_draft_proposal_updates_its_pool_in_place(chip, case, table):
+    """The draft's pool donated and aliased to the output through the forward and the loop,
+    and no copy of it. (The largest copies are of weights: XLA:TPU lays the int4 embedding
+    and stacked layer weights out anew for the decode loop, as in the engine's decode_loop:
+    measured, in docs/AOT.md.)"""
+    rows, k = 8, 4
+    step, params, state, *inputs = aot_steps.draft_inputs(case, "pallas-tpu", rows, k)
+    r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
+    pool = aot_steps.pool_bytes(state)
+    table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
+          [chip, case.name + f" R={rows} k={k}", pool // MiB, f"{r.temp_bytes / MiB:.1f}",
+           f"{r.temp_bytes / pool:.4f}", f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB,
+           f"{r.seconds:.1f}"])
+    logits = 12 * 64 * aot_steps.config_of(case.model).vocab_size * 4
+    assert r.alias_bytes >= pool
+    assert r.temp_bytes < 0.1 * pool + logits
+    layers, kv_heads = state.kv_pages.shape[:2]  # no copy of the pool or a slice of it
+    assert not [c for c in r.copies if c.shape.startswith(f"bf16[{layers},{kv_heads},")
+                or c.nbytes >= pool]
+
+
 # Window-only KV (jaxkv.cache.window): Gemma 3's 22 local layers keep their pages in a pool of
 # window slots (what the rows' 512-token windows pin), its 4 global layers in pages; the layers
 # unrolled, each writing and reading its own pool.

@@ -22,6 +22,7 @@ from jaxkv.model.config import ModelConfig, RopeScaling
 from jaxkv.model.llama import Llama, default_scan_layers
 from jaxkv.model.quant import QuantScheme
 from jaxkv.runtime.batch import PageTable, WindowTable, padding_batch
+from jaxkv.runtime.draft_steps import draft_loop_inputs, make_draft_steps
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays
 from jaxkv.runtime.steps import make_steps
 from pallas_kernels.quant import storage_dtype
@@ -190,6 +191,18 @@ def spec_step_inputs(case: StepCase, impl: str, rows: int, k: int):
             np.zeros((rows, k), np.int32), np.zeros(rows, np.int32),
             np.zeros((rows, 2), np.uint32), SamplingArrays.greedy(rows),
             np.full((rows, k1, MAX_BANNED), -1, np.int32))
+
+
+def draft_inputs(case: StepCase, impl: str, rows: int, k: int):
+    """(jitted program, params, state, *inputs): abstract inputs of a draft model's proposal
+    (`jaxkv.runtime.draft_steps`: a ragged forward of ``case.tokens`` tokens over ``rows``
+    rows, then a decode loop of k - 1 steps) over the draft's own pool."""
+    graphdef, params, state, pages, width = _abstract_state(case, impl)
+    _, propose = make_draft_steps(graphdef, impl, None, k)
+    table = PageTable(case.rows, width, pages, case.page_size)  # B = the engine's slots
+    loop = draft_loop_inputs(rows, width, k - 1)
+    return (propose, params, state, padding_batch(case.tokens, table),
+            np.zeros(rows, np.int32), loop)
 
 
 def _window_table(case: StepCase, width: int) -> WindowTable | None:
