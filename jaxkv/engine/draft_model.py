@@ -28,7 +28,7 @@ from jaxkv.attention import check_head_dim, check_page_size
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model, load_pretrained, quantize
 from jaxkv.model.quant import QuantScheme
-from jaxkv.runtime.batch import build_batch, fit, pow2
+from jaxkv.runtime.batch import build_batch, fit, padding_batch, pow2
 from jaxkv.runtime.draft_steps import draft_loop_inputs, make_draft_steps
 from jaxkv.runtime.steps import DecodeLoopBatch
 from jaxkv.sharding import commit, shard, shard_state
@@ -89,8 +89,8 @@ class DraftModel:
             dataclasses.replace(model, params=commit(model.params))
         self.model, self.k, self.mesh = model, k, mesh
         self.fill, self.propose_on_device = make_draft_steps(model.graphdef, impl, mesh, k)
-        self.state = self.new_state(runner)
         self._held: dict = {}  # sequence -> (its preemptions, positions the pool holds)
+        self.state = self.new_state(runner)
 
     def new_state(self, runner):
         """A zeroed pool (every page of the target's, in the draft's shape); forgets what
@@ -182,9 +182,7 @@ class DraftModel:
     def warm(self, runner, r: int):
         """Compiles the proposal for r rows and every fill bucket (padding: writes nothing);
         returns the proposal's drafts (i32[K, R])."""
-        from jaxkv.runtime.batch import padding_batch
-
-        for t in runner.token_buckets:
+        for t in runner.token_buckets if r == runner.row_buckets[0] else ():  # (once)
             self.state = self.fill(self.model.params, self.state,
                                    padding_batch(t, runner.page_table))
         batch = padding_batch(pow2(r * (self.k + 1)), runner.page_table)
