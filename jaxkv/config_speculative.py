@@ -36,7 +36,7 @@ class SpeculativeConfig:
     model: object = None
     """draft_model: the draft, as `LLM`'s ``model`` takes it (a checkpoint folder, a .gguf
     file, "smollm2" or a `jaxkv.Model`) with the target's vocabulary; None: the target
-    itself, quantized as ``quantization`` says."""
+    itself, quantized as ``quantization`` says (and again by `Engine.update_params`)."""
     quantization: str | None = None
     """draft_model: the draft's weights quantized so (int8, int4, ... as
     ``RuntimeConfig.quantization``)."""

@@ -401,18 +401,3 @@ def test_draft_books_forget_a_preempted_sequence(plain_model):
     assert draft.held(seq) == 9
     seq.num_preemptions = 1
     assert draft.held(seq) == 0
-
-
-def test_draft_model_composes_with_int8_kv(plain_model):
-    """A draft model over int8 pages (the target's drafts' K/V quantized as they are written,
-    rejected ones rolled back; the draft's own pool int8 too): greedy tokens equal the same
-    engine's without speculation, and it does speculate and accept."""
-    cycle = [11, 12, 13, 14, 15, 16]
-    requests = [(f"r{i}", cycle * 3 + [20 + i], SamplingParams(
-        temperature=0, max_tokens=30, ignore_eos=True), 0) for i in range(4)]
-    shape = dict(num_pages=24, kv_cache_dtype="int8", page_size=8)
-    want, _ = _run(plain_model, requests, None, **shape)
-    got, engine = _run(plain_model, requests, DRAFT, **shape)
-    assert {k: v.outputs[0].token_ids for k, v in got.items()} == \
-        {k: v.outputs[0].token_ids for k, v in want.items()}
-    assert engine.stats().spec_accepted_tokens > 0

@@ -25,6 +25,7 @@ COMMANDS = {
     "moe": "moe",
     "window-kv": "window_kv",
     "spec": "spec",
+    "spec-roofline": "spec_roofline",
     "kv-accuracy": "kv_accuracy",
     "kv-capacity": "kv_capacity",
     "host-tier": "host_tier",

@@ -34,10 +34,17 @@ from jaxkv.runtime.steps import DecodeLoopBatch
 from jaxkv.sharding import commit, shard, shard_state
 
 
+@dataclasses.dataclass
+class TargetCopy(Model):
+    """A draft that is the target's weights quantized (``quantization`` without ``model``):
+    `Engine.update_params` quantizes the new weights for it too."""
+
+
 def load_draft(spec, target: Model, *, on_host: bool = False):
     """``spec`` (a SpeculativeConfig or None) with a ``draft_model`` method's model loaded as
-    a `Model`: from its path, or the target quantized (``model`` None). ValueError naming
-    ``speculative_config.model`` or ``.quantization`` for a draft that cannot serve."""
+    a `Model`: from its path, or the target quantized (``model`` None: a `TargetCopy`).
+    ValueError naming ``speculative_config.model`` or ``.quantization`` for a draft that
+    cannot serve."""
     if spec is None or spec.method != "draft_model":
         return spec
     draft, quant = spec.model, spec.quantization
@@ -46,7 +53,8 @@ def load_draft(spec, target: Model, *, on_host: bool = False):
             raise ValueError("speculative_config.quantization: the target is already "
                              f"quantized ({target.quantization.name}); name the draft's "
                              "weights in speculative_config.model")
-        draft = quantize(target, quant)
+        copy = quantize(target, quant)
+        draft = TargetCopy(**{f.name: getattr(copy, f.name) for f in dataclasses.fields(copy)})
     elif isinstance(draft, (str, Path)):
         try:
             draft = load_pretrained(draft, dtype=jnp.dtype(target.dtype).name, on_host=on_host,
@@ -84,13 +92,22 @@ class DraftModel:
             raise ValueError(f"speculative_config.model: the draft's context is "
                              f"{model.config.max_position_embeddings} tokens, less than "
                              f"max_model_len={max_model_len}")
-        mesh = runner.mesh
-        model = shard(model, mesh) if mesh is not None else \
-            dataclasses.replace(model, params=commit(model.params))
-        self.model, self.k, self.mesh = model, k, mesh
-        self.fill, self.propose_on_device = make_draft_steps(model.graphdef, impl, mesh, k)
+        self.k, self.mesh = k, runner.mesh
+        self.follows_target = isinstance(model, TargetCopy)
+        self.model = self._placed(model)
+        self.fill, self.propose_on_device = make_draft_steps(model.graphdef, impl, self.mesh, k)
         self._held: dict = {}  # sequence -> (its preemptions, positions the pool holds)
         self.state = self.new_state(runner)
+
+    def _placed(self, model: Model) -> Model:
+        return shard(model, self.mesh) if self.mesh is not None else \
+            dataclasses.replace(model, params=commit(model.params))
+
+    def follow(self, target: Model) -> None:
+        """Drafts with ``target``'s new weights quantized as before (a `TargetCopy` only);
+        the pool keeps what it holds (a restart preempts every sequence, which resets it)."""
+        if self.follows_target:
+            self.model = self._placed(quantize(target, self.model.quantization))
 
     def new_state(self, runner):
         """A zeroed pool (every page of the target's, in the draft's shape); forgets what

@@ -205,8 +205,11 @@ class ModelRunner:
                                            self.copy_buckets[-1])
 
     def set_params(self, placed) -> None:
-        """Serves ``placed`` (already placed like the current params) from the next launch."""
+        """Serves ``placed`` (already placed like the current params) from the next launch;
+        a draft that is the target's quantized copy follows."""
         self.model = dataclasses.replace(self.model, params=placed)
+        if self.draft_model is not None:
+            self.draft_model.follow(self.model)
 
     # ---- programs ------------------------------------------------------------------------
 
