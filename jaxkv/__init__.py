@@ -35,6 +35,7 @@ from jaxkv.model.config import ModelConfig
 from jaxkv.model.pretrained import Model, load_default, load_pretrained, quantize, random_model
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh, shard
+from jaxkv.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
     "UnsupportedModelError",
     "generate",
     "generate_no_cache",

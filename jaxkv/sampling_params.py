@@ -9,6 +9,8 @@ import numbers
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from jaxkv.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default cap)
 
 
@@ -55,6 +57,12 @@ class SamplingParams:
     token in the output. A request using any of them decodes one step per host round trip
     (and does not speculate).
 
+    ``structured_outputs`` (`jaxkv.StructuredOutputsParams`, or a dict of its fields: ``json``,
+    ``regex``, ``choice``, ``grammar``, ``json_object``) constrains the output: at every step
+    the tokens its grammar does not allow next are masked on device, after the processors
+    above. It decodes like a request with processors; a grammar that is complete allows
+    only EOS, so the output ends there (at ``max_tokens`` first: cut off, "length").
+
     ``speculate=False`` opts a request out of the engine's speculative decoding
     (``speculative_config``); speculation never changes what a request samples from.
     """
@@ -81,6 +89,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # a list or tuple of ids
     bad_words: tuple[str, ...] = ()  # a list or tuple of strings
     speculate: bool = True  # with the engine's speculative_config: False opts this one out
+    structured_outputs: StructuredOutputsParams | None = None  # or a dict of its fields
 
     def __post_init__(self):
         def fail(field, value, why):
@@ -95,6 +104,11 @@ class SamplingParams:
         def is_real(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
+        try:
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputsParams.of(self.structured_outputs))
+        except ValueError as e:
+            raise ValueError(f"SamplingParams.{e}") from None
         if not isinstance(self.speculate, bool):
             fail("speculate", self.speculate, "must be a bool")
         if not is_int(self.n) or self.n < 1:
@@ -231,9 +245,10 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """It uses a logits processor (penalties, logit_bias, allowed ids, bad words)."""
-        return bool(self.repetition_penalty != 1 or self.frequency_penalty
-                    or self.presence_penalty or self.logit_bias
+        """It uses a logits processor (penalties, logit_bias, allowed ids, bad words) or a
+        structured output's mask."""
+        return bool(self.structured_outputs is not None or self.repetition_penalty != 1
+                    or self.frequency_penalty or self.presence_penalty or self.logit_bias
                     or self.allowed_token_ids is not None or self.bad_words)
 
     @property

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RANK = {
     "pallas_kernels": 0, "jaxkv.errors": 0, "jaxkv.config": 0, "jaxkv.cli_settings": 0,
     "jaxkv.config_checks": 0, "jaxkv.config_speculative": 0,
-    "jaxkv.model": 1, "jaxkv.sampling_params": 1,
+    "jaxkv.model": 1, "jaxkv.sampling_params": 1, "jaxkv.structured": 1,
     "jaxkv.kv": 2, "jaxkv.attention": 2, "jaxkv.sharding": 2, "jaxkv.distributed": 2,
     "jaxkv.cache": 2,
     "jaxkv.runtime": 3,
@@ -31,7 +31,8 @@ HOST_ONLY = ("jaxkv.config", "jaxkv.config_checks", "jaxkv.config_speculative",
              "jaxkv.cache.radix", "jaxkv.cache.host_radix", "jaxkv.cache.memory",
              "jaxkv.engine.scheduler", "jaxkv.engine.plan", "jaxkv.engine.request",
              "jaxkv.engine.connector",
-             "jaxkv.disagg.connector", "jaxkv.sampling_params")
+             "jaxkv.disagg.connector", "jaxkv.sampling_params", "jaxkv.structured.params",
+             "jaxkv.structured.grammar")
 MAX_LINES = 450  # the target (docs/architecture.md): split a file by responsibility past it
 
 

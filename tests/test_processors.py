@@ -70,7 +70,7 @@ def test_edits_match_vllms_dense_rules():
         output = rng.integers(0, v, size=rng.integers(0, 40)).tolist()
         bans = [int(rng.integers(0, v))] if i % 2 else []
         words = [(bans[0],)] if bans else []
-        rows.append((i, prompt + output, len(prompt), sp, words))
+        rows.append((i, prompt + output, len(prompt), sp, words, None))
         want[i] = _dense(logits[i], prompt + output, len(prompt), sp, bans)
     got = np.asarray(apply_processors(logits, build_processors(rows, b)))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -81,7 +81,7 @@ def test_edits_match_vllms_dense_rules():
 def test_many_entries_take_a_wider_bucket():
     sp = SamplingParams(repetition_penalty=2.0)
     hist = list(range(300))
-    p = build_processors([(0, hist, 100, sp, [])], 2)
+    p = build_processors([(0, hist, 100, sp, [], None)], 2)
     assert p.ids.shape == (2, 512)
     logits = np.full((2, 400), 3.0, np.float32)
     got = np.asarray(apply_processors(logits, p))
@@ -122,7 +122,7 @@ def test_processed_draws_follow_the_exact_distribution(sp):
     hist = rng.integers(0, v, size=30).tolist()
     want = filtered_distribution(_dense(logits, hist, 10, sp), sp.temperature, sp.top_k, sp.top_p)
     plain = filtered_distribution(logits, sp.temperature, sp.top_k, sp.top_p)
-    procs = build_processors([(i, hist, 10, sp, []) for i in range(n)], n)
+    procs = build_processors([(i, hist, 10, sp, [], None) for i in range(n)], n)
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.PRNGKey(7), n)),
                       np.uint32)
     arrays = SamplingArrays.build([sp.temperature] * n, [sp.top_k] * n, [sp.top_p] * n,
@@ -161,7 +161,8 @@ def test_logit_bias_takes_json_keys_and_numpy_ids():
 
 def test_rows_without_processors_keep_their_tokens():
     logits = np.random.default_rng(2).standard_normal((3, 50)).astype(np.float32)
-    procs = build_processors([(1, [4, 4, 9], 1, SamplingParams(repetition_penalty=3.0), [])], 3)
+    procs = build_processors([(1, [4, 4, 9], 1, SamplingParams(repetition_penalty=3.0), [], None)],
+                             3)
     keys = np.zeros((3, 2), np.uint32)
     greedy = SamplingArrays.greedy(3)
     got = np.asarray(sample_processed(logits, keys, greedy, procs, np.array([7, 7, 7])))

@@ -15,6 +15,7 @@ from serving import MODEL, Server
 import jaxkv
 from jaxkv.sampling_params import RequestOutputKind
 from jaxkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxkv.structured import StructuredOutputsParams
 
 MAPPED, IGNORED, REFUSED = "mapped", "ignored", "refused"
 ABSENT = object()  # not a field of that endpoint
@@ -143,12 +144,18 @@ FIELDS: dict[str, Row] = {
     "echo": both(REFUSED, True),
     "min_p": both(REFUSED, 0.05),
     "spaces_between_special_tokens": both(REFUSED, False),
-    "response_format": both(REFUSED, {"type": "json_object"}),
-    "guided_json": both(REFUSED, {"type": "object"}),
-    "guided_regex": both(REFUSED, "a+"),
-    "guided_choice": both(REFUSED, ["yes", "no"]),
-    "guided_grammar": both(REFUSED, 'root ::= "a"'),
-    "structured_outputs": both(REFUSED, {"regex": "a+"}),
+    "response_format": both(MAPPED, {"type": "json_object"},
+                            sp_has(structured_outputs=StructuredOutputsParams(json_object=True))),
+    "guided_json": both(MAPPED, {"type": "object"}, sp_has(
+        structured_outputs=StructuredOutputsParams(json={"type": "object"}))),
+    "guided_regex": both(MAPPED, "a+", sp_has(structured_outputs=StructuredOutputsParams(
+        regex="a+"))),
+    "guided_choice": both(MAPPED, ["yes", "no"], sp_has(
+        structured_outputs=StructuredOutputsParams(choice=("yes", "no")))),
+    "guided_grammar": both(MAPPED, 'root ::= "a"', sp_has(
+        structured_outputs=StructuredOutputsParams(grammar='root ::= "a"'))),
+    "structured_outputs": both(MAPPED, {"regex": "a+"}, sp_has(
+        structured_outputs=StructuredOutputsParams(regex="a+"))),
     "use_beam_search": both(REFUSED, True),
     "priority": both(REFUSED, 1),
     "chat_template": Row(REFUSED, chat="{{ messages }}"),

@@ -161,11 +161,14 @@ class DecodeWorker(Worker):
     def _rebuild(self, msg: dict) -> _Incoming:
         tok, eos = self.engine.model.tokenizer, self.engine.scheduler.eos_token_ids
         sp, ids = msg["sampling_params"], msg["prompt_token_ids"]
+        grammar = None if sp.structured_outputs is None else \
+            self.engine.runner.grammars.compile(sp.structured_outputs)
         samples = []
         for d in msg["samples"]:
             s = Request(msg["request_id"], ids, sp, msg["arrival_index"], msg["arrival_time"],
-                        cache_salt=msg["cache_salt"], detok=detokenizer(tok, ids, sp))
-            for token in d["output_token_ids"]:  # replayed: the detokenizer's state too
+                        cache_salt=msg["cache_salt"], detok=detokenizer(tok, ids, sp),
+                        grammar=None if grammar is None else grammar.matcher())
+            for token in d["output_token_ids"]:  # replayed into its detokenizer and grammar
                 s.append_token(token, eos)
             for k in CARRIED:
                 setattr(s, k, d[k])

@@ -163,7 +163,7 @@ class Engine:
         self.check_fits(request_id, len(ids), sp)
         samples = intake.new_samples(request_id, ids, sp, index=self._num_added,
                                      now=time.time(), cache_salt=cache_salt, model=self.model,
-                                     engine_seed=self.seed)
+                                     engine_seed=self.seed, grammars=self.runner.grammars)
         self._requests[request_id] = RequestEntry(prompt, samples)
         self._num_added += 1
         self._prompt_tokens += len(ids)

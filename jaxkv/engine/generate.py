@@ -306,11 +306,12 @@ def _check_supported(sp: SamplingParams) -> None:
                              "jaxkv.generate returns token ids only; use jaxkv.LLM or "
                              "jaxkv.Engine")
     if has_processors(sp):
-        field = next(f for f in ("presence_penalty", "frequency_penalty",
+        field = next(f for f in ("structured_outputs", "presence_penalty", "frequency_penalty",
                                  "repetition_penalty", "logit_bias", "allowed_token_ids",
                                  "bad_words") if getattr(sp, f) != getattr(_DEFAULT, f))
         raise ValueError(f"SamplingParams.{field}={getattr(sp, field)!r}: jaxkv.generate "
-                         "has no logits processors; use jaxkv.LLM or jaxkv.Engine")
+                         "has no logits processors or structured outputs; use jaxkv.LLM or "
+                         "jaxkv.Engine")
 
 
 def generate(model: Model, prompts: Sequence, sampling=None, *, page_size: int = 16,

@@ -102,11 +102,13 @@ def check_fits(request_id: str, prompt_len: int, sp: SamplingParams, model: Mode
 
 
 def new_samples(request_id: str, ids: list[int], sp: SamplingParams, *, index: int,
-                now: float, cache_salt: str | None, model: Model,
-                engine_seed: int) -> list[Request]:
+                now: float, cache_salt: str | None, model: Model, engine_seed: int,
+                grammars=None) -> list[Request]:
     """The request's ``sp.n`` sample streams (sample 0 prefills the prompt; the others fork
-    from it), each with its own key and detokenizer."""
+    from it), each with its own key, detokenizer and, with structured outputs, grammar state
+    (compiled by ``grammars``, a `GrammarCompiler`: ValueError naming the field)."""
     tok = model.tokenizer
+    grammar = None if sp.structured_outputs is None else grammars.compile(sp.structured_outputs)
     samples = [Request(request_id, ids, sp, index, now, sample_index=j, cache_salt=cache_salt,
                        key=key, detok=None if tok is None else IncrementalDetokenizer(
                            tok, ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
@@ -116,5 +118,7 @@ def new_samples(request_id: str, ids: list[int], sp: SamplingParams, *, index: i
         words = sp.bad_words_ids(tok, model.config.vocab_size)
         for s in samples:
             s.bad_words_ids = words
+    for s in samples if grammar is not None else ():
+        s.grammar = grammar.matcher()
     samples[0].forks = samples[1:]
     return samples

@@ -70,6 +70,8 @@ class Request:
     num_accepted_tokens: int = 0
     speculating: bool = True
     idle_looks: int = 0  # looks for drafts in a row that found none
+    # Structured outputs: its grammar's state (`jaxkv.structured.grammar.Matcher`).
+    grammar: object = None
 
     def __post_init__(self):
         if not self.token_ids:
@@ -123,11 +125,15 @@ class Request:
         self.token_ids.append(token)
         sp = self.sampling_params
         reason = sp.finish_reason(token, self.num_output_tokens, eos_token_ids)
+        if self.grammar is not None and not self.grammar.consume(token):
+            return "error"  # the mask allowed it: a bug, not the caller's
         if self.detok is not None and (reason != "stop" or sp.include_stop_str_in_output):
             self.detok.push(token)  # a stop token's text only with include_stop_str_in_output
             if reason != "stop" and sp.stop and self.num_output_tokens > sp.min_tokens and \
                     self.detok.find_stop():
                 reason = "stop"
+        if reason is None and self.grammar is not None and self.grammar.done:
+            reason = "stop"  # the grammar is complete (its last token's text is kept)
         return reason
 
     @property

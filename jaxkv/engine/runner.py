@@ -49,6 +49,7 @@ from jaxkv.runtime.steps import (
 )
 from jaxkv.sampling_params import MAX_LOGPROBS
 from jaxkv.sharding import commit, shard, shard_state
+from jaxkv.structured.grammar import grammars_for
 from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
 
 _log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class ModelRunner:
         self.state = self.new_state()
         self.host_pool = self._host_pool(cache.host_kv_cache_bytes)
         self.num_steps = 0  # device steps run (a loop's count as many as it ran)
+        self.grammars = grammars_for(model.tokenizer, model.config.vocab_size,
+                                     model.config.eos_token_ids)  # structured outputs
         self.draft_model = None  # speculative decoding's draft_model: its own pool and books
         if spec is not None and spec.method == "draft_model":
             if window is not None:
@@ -259,10 +262,11 @@ class ModelRunner:
             if k:
                 keys, arrays = self.sampling(seqs)
                 drawn.append(sample(logits, keys, arrays))
-            edits = [(i, q.token_ids, q.num_prompt_tokens, q.sampling_params, q.bad_words_ids)
-                     for i, q in seqs if has_processors(q.sampling_params)]
+            edits = [(i, q.token_ids, q.num_prompt_tokens, q.sampling_params, q.bad_words_ids,
+                      q.grammar) for i, q in seqs if has_processors(q.sampling_params)]
             if edits:  # their rows draw again, from processed logits; the others keep theirs
-                procs = build_processors(edits, self.max_num_seqs)
+                # (built while the device runs the step: a grammar's mask on host threads)
+                procs = build_processors(edits, self.max_num_seqs, self.grammars)
                 drawn[k] = sample_processed(logits, keys, arrays, procs, drawn[k])
         want = [any(s.logprobs is not None for r in rows for s in r.samples[k:k + 1])
                 for k in range(len(drawn))]

@@ -13,6 +13,10 @@ logits, edits them and scatters them back. In vLLM's order (its V1 sampler):
    logit is divided by r, another multiplied), then ``frequency_penalty`` times the token's
    count in the output and ``presence_penalty`` once if it occurs there are subtracted.
 
+5. structured outputs: a row with a grammar keeps only the tokens its packed bitmask allows
+   (int32[B, ceil(V / 32)], bit j of word w for token 32 w + j, filled on the host by
+   `jaxkv.structured.grammar`), unpacked here.
+
 Then temperature, top-k/top-p and the draw (`jaxkv.runtime.sampling`). Logprobs stay those of
 the raw logits (vLLM's default). A row without processors has only padding entries, and its
 logits pass unchanged (bit for bit), so one program serves a mixed batch.
@@ -26,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.runtime.sampling import SamplingArrays, sample_tokens
+from jaxkv.structured.grammar import bitmask_words
 
 MIN_ENTRIES = 64  # the smallest entry bucket (entries per row are padded to a power of two)
 
@@ -44,6 +49,8 @@ class LogitsProcessors:
     repetition: jax.Array  # f32[B]  1: off
     frequency: jax.Array  # f32[B]  0: off
     presence: jax.Array  # f32[B]  0: off
+    mask: jax.Array  # i32[B, ceil(V / 32)]  a grammar's allowed tokens, packed (see above)
+    masked: jax.Array  # bool[B]  the row has a grammar
 
 
 def apply_processors(logits, p: LogitsProcessors):
@@ -59,7 +66,17 @@ def apply_processors(logits, p: LogitsProcessors):
     g = g - p.frequency[:, None] * p.counts.astype(jnp.float32)
     g = g - p.presence[:, None] * (p.counts > 0).astype(jnp.float32)
     base = jnp.where(p.restrict[:, None], -jnp.inf, logits)
-    return base.at[rows, jnp.where(real, p.ids, v)].set(g, mode="drop")
+    out = base.at[rows, jnp.where(real, p.ids, v)].set(g, mode="drop")
+    return apply_token_bitmask(out, p.mask, p.masked)
+
+
+def apply_token_bitmask(logits, mask, masked):
+    """f32[B, V] ``logits`` with the tokens that rows with ``masked`` set do not allow in
+    their packed ``mask`` (i32[B, ceil(V / 32)]) at -inf."""
+    token = jnp.arange(logits.shape[1], dtype=jnp.int32)
+    words = jnp.take(jnp.asarray(mask, jnp.int32), token // 32, axis=1, mode="clip")
+    bits = (words >> (token % 32)) & 1
+    return jnp.where(masked[:, None] & (bits == 0), -jnp.inf, logits)
 
 
 @jax.jit
@@ -90,12 +107,13 @@ def has_processors(sp) -> bool:
     return sp.edits_logits
 
 
-def build_processors(rows, num_rows: int) -> LogitsProcessors:
+def build_processors(rows, num_rows: int, grammars=None) -> LogitsProcessors:
     """Host builder. ``rows``: (row, token_ids, num_prompt_tokens, sampling params,
-    bad word token-id sequences) for every row with processors; the other rows pass through.
-    Entries are padded to a power of two >= MIN_ENTRIES."""
+    bad word token-id sequences, grammar `Matcher` or None) for every row with processors;
+    the other rows pass through. Entries are padded to a power of two >= MIN_ENTRIES; the
+    grammars' masks are filled by ``grammars`` (a `GrammarCompiler`: on its threads)."""
     built = []
-    for row, token_ids, num_prompt, sp, bad_words_ids in rows:
+    for row, token_ids, num_prompt, sp, bad_words_ids, _ in rows:
         hist = np.asarray(token_ids, np.int64)
         out = hist[num_prompt:]
         parts = [np.asarray(list(sp.logit_bias or ()), np.int64),
@@ -125,7 +143,14 @@ def build_processors(rows, num_rows: int) -> LogitsProcessors:
         seen=np.zeros((num_rows, width), bool), allowed=np.zeros((num_rows, width), bool),
         restrict=np.zeros(num_rows, bool), active=np.zeros(num_rows, bool),
         repetition=np.ones(num_rows, np.float32),
-        frequency=np.zeros(num_rows, np.float32), presence=np.zeros(num_rows, np.float32))
+        frequency=np.zeros(num_rows, np.float32), presence=np.zeros(num_rows, np.float32),
+        mask=np.zeros((num_rows, 1 if grammars is None else bitmask_words(grammars.vocab_size)),
+                      np.int32),
+        masked=np.zeros(num_rows, bool))
+    constrained = [(r[5], r[0]) for r in rows if r[5] is not None]
+    if constrained:
+        grammars.fill(constrained, p.mask)
+        p.masked[[row for _, row in constrained]] = True
     for row, sp, ids, bias, counts, seen, allowed in built:
         n = len(ids)
         p.ids[row, :n], p.bias[row, :n], p.counts[row, :n] = ids, bias, counts

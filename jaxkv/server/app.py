@@ -30,6 +30,7 @@ from jaxkv.server.protocol import (
     message_dict,
     validation_message,
 )
+from jaxkv.structured.grammar import grammars_for
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -111,8 +112,17 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
             return list(tokenizer.encode(prompt))
         return list(prompt)
 
-    async def submit(ids: list[int], sp, request_id: str, salt: str | None) -> asyncio.Queue:
+    grammars = grammars_for(tokenizer, llm.model.config.vocab_size,
+                            llm.model.config.eos_token_ids)
+
+    async def submit(ids: list[int], sp, request_id: str, salt: str | None,
+                     body) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
+        if sp.structured_outputs is not None:  # compiled here, off the engine thread (cached)
+            try:
+                await asyncio.to_thread(grammars.compile, sp.structured_outputs)
+            except ValueError as e:
+                raise FieldError(body.structured()[1], str(e)) from None
         try:
             return await asyncio.to_thread(core.add, request_id, ids, sp, loop, salt)
         except QueueFullError as e:
@@ -269,7 +279,7 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
         queues = []
         try:
             for ids, sp, rid in zip(ids_list, sps, request_ids, strict=True):
-                queues.append(await submit(ids, sp, rid, salt))
+                queues.append(await submit(ids, sp, rid, salt, body))
         except BaseException:
             for rid in request_ids[:len(queues)]:
                 core.abort(rid)  # the prompts already queued go with the one refused
@@ -332,7 +342,7 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
         logprobs = top if body.logprobs else None
         sp = sampling(body, body.max_output_tokens, logprobs, len(ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        queue = await submit(ids, sp, request_id, salt)
+        queue = await submit(ids, sp, request_id, salt, body)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:

@@ -19,8 +19,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.structured.params import StructuredOutputsParams
 
-STRUCTURED = "not supported until structured outputs land"
+TOOLS = "tool calling is not supported yet"
+# vLLM's older names of structured_outputs' fields
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 
 
 class FieldError(ValueError):
@@ -56,12 +60,6 @@ class _Request(BaseModel):
         "spaces_between_special_tokens": (
             _is(True), "only true (vLLM's default) is supported: the detokenizer has no other "
             "mode"),
-        "response_format": (_is({"type": "text"}), STRUCTURED),
-        "guided_json": (_is(), STRUCTURED),
-        "guided_regex": (_is(), STRUCTURED),
-        "guided_choice": (_is(), STRUCTURED),
-        "guided_grammar": (_is(), STRUCTURED),
-        "structured_outputs": (_is(), STRUCTURED),
         "use_beam_search": (_is(False), "beam search is not supported"),
         "priority": (_is(0), "priority scheduling is not supported (the scheduler is FCFS)"),
     }
@@ -93,18 +91,20 @@ class _Request(BaseModel):
     cache_salt: str | None = None  # the prefix cache's namespace (within the caller's)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     speculate: bool = True  # False: no speculative decoding for this request
+    # mapped: structured outputs (OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields); typed loosely, so `structured` names what is wrong
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # ignored
     user: str | None = None
     # refused (typed loosely: a client sees the refusal, not a type error)
     echo: Any = None
     min_p: Any = None
     spaces_between_special_tokens: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     use_beam_search: Any = None
     priority: Any = None
 
@@ -122,6 +122,30 @@ class _Request(BaseModel):
         k = self.truncate_prompt_tokens
         if k is not None and k < 1:
             raise FieldError("truncate_prompt_tokens", f"must be an int >= 1, got {k}")
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's structured output and the field that asked for it; FieldError naming
+        the field for a malformed one, or for two fields asking at once."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf != {"type": "text"}:
+            asked.append(("response_format", _response_format(rf)))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs))
+        for name, field in GUIDED.items():
+            if getattr(self, name) is not None:
+                asked.append((name, {field: getattr(self, name)}))
+        if len(asked) > 1:
+            raise FieldError(asked[1][0], f"{asked[0][0]} already constrains the output; "
+                             "send one of response_format, structured_outputs, guided_*")
+        if not asked:
+            return None, None
+        name, value = asked[0]
+        try:
+            return StructuredOutputsParams.of(value), name
+        except ValueError as e:
+            raise FieldError(name, str(e).removeprefix("structured_outputs").lstrip(".: ")
+                             or str(e)) from None
 
     def truncate(self, ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's left truncation)."""
@@ -160,6 +184,7 @@ class _Request(BaseModel):
             bad_words=tuple(self.bad_words or ()), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, speculate=self.speculate,
+            structured_outputs=self.structured()[0],
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
@@ -195,17 +220,16 @@ _TEMPLATE_ARGS = frozenset({  # apply_chat_template's own arguments: not templat
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-_TOOLS = f"tool calling is {STRUCTURED}"
 
 
 class ChatCompletionRequest(_Request):
     REFUSED = {
         **_Request.REFUSED,
-        "tools": (_is([]), _TOOLS),
-        "tool_choice": (_is("none"), _TOOLS),
-        "functions": (_is([]), _TOOLS),
-        "function_call": (_is("none"), _TOOLS),
-        "parallel_tool_calls": (_is(), _TOOLS),
+        "tools": (_is([]), TOOLS),
+        "tool_choice": (_is("none"), TOOLS),
+        "functions": (_is([]), TOOLS),
+        "function_call": (_is("none"), TOOLS),
+        "parallel_tool_calls": (_is(), TOOLS),
         "audio": (_is(), "audio output is not supported"),
         "modalities": (_is(["text"]), "only text output is supported"),
         "prediction": (_is(), "predicted outputs are not supported"),
@@ -246,7 +270,7 @@ class ChatCompletionRequest(_Request):
         super().check_supported()
         for i, m in enumerate(self.messages):
             if m.tool_calls:
-                raise FieldError(f"messages.{i}.tool_calls", _TOOLS)
+                raise FieldError(f"messages.{i}.tool_calls", TOOLS)
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -269,6 +293,25 @@ class ChatCompletionRequest(_Request):
         """``max_completion_tokens`` (OpenAI's current name), else ``max_tokens``."""
         return self.max_tokens if self.max_completion_tokens is None \
             else self.max_completion_tokens
+
+
+def _response_format(rf) -> dict:
+    """OpenAI's ``response_format`` as structured_outputs' fields (FieldError naming what
+    is malformed)."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise FieldError("response_format.json_schema", "needs {\"name\": ..., "
+                             "\"schema\": {...}} (the JSON schema of the output)")
+        if not isinstance(spec["schema"], dict):
+            raise FieldError("response_format.json_schema.schema", "must be a JSON schema "
+                             f"object, got {type(spec['schema']).__name__}")
+        return {"json": spec["schema"]}
+    raise FieldError("response_format.type", f"must be 'text', 'json_object' or "
+                     f"'json_schema', got {kind!r}")
 
 
 def message_dict(message: ChatMessage, index: int) -> dict:

@@ -1,0 +1,178 @@
+"""Grammars of structured outputs, compiled by llguidance: one `GrammarCompiler` per tokenizer
+(cached by what a grammar depends on, thread-safe, so a server compiles off the engine
+thread), and one `Matcher` per sample stream, which says which tokens may come next (a packed
+row of the step's bitmask) and takes the tokens sampled.
+
+Why llguidance: it installs as one wheel with no dependencies and fills masks into numpy
+arrays from Rust threads; xgrammar, the other backend vLLM and SGLang use, requires torch and
+triton, too much for a JAX engine on a TPU VM. Both are measured by `jaxkv bench structured`
+(docs/BENCHMARKS.md#structured-outputs-issue-30).
+
+The bitmask: int32[B, ceil(V / 32)], bit j of word w allowing token 32 w + j (llguidance's
+and xgrammar's layout); `jaxkv.runtime.grammar_mask` unpacks it on device.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from jaxkv.structured.params import JSON_WHITESPACE, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+    except ImportError as e:  # a core dependency: only a broken install lacks it
+        raise RuntimeError("structured outputs need the llguidance package "
+                           "(pip install llguidance)") from e
+    return llguidance
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class Matcher:
+    """One sample stream's grammar state."""
+
+    def __init__(self, matcher):
+        self.ll = matcher  # llguidance's LLMatcher
+
+    def consume(self, token: int) -> bool:
+        """Takes a sampled token; False if the grammar did not allow it (the matcher is then
+        in an error state)."""
+        return bool(self.ll.consume_token(int(token)))
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Writes the tokens allowed next into ``bitmask[row]``."""
+        _llguidance().numpy.fill_next_token_bitmask(self.ll, bitmask, row)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (not even whitespace)."""
+        return bool(self.ll.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self.ll.get_error() if self.ll.is_error() else None
+
+    def copy(self) -> Matcher:
+        return Matcher(self.ll.deep_copy())
+
+
+class Grammar:
+    """A compiled grammar: `matcher` starts a sample stream on it."""
+
+    def __init__(self, prototype, params: StructuredOutputsParams):
+        self._proto, self.params = prototype, params
+
+    def matcher(self) -> Matcher:
+        return Matcher(self._proto.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutputsParams` for one tokenizer and model vocabulary, keeping the
+    last ``cache_size`` grammars. ``compile`` may run on any thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = 256):
+        self.vocab_size, self.cache_size = vocab_size, cache_size
+        self._tokenizer, self._eos = tokenizer, list(eos_token_ids)
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict = OrderedDict()
+        self._executor = None
+        self.hits = self.misses = 0
+
+    def tokenizer(self):
+        """llguidance's view of the tokenizer (built once: about a second for 50k tokens)."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured_outputs: the model has no tokenizer")
+                ll = _llguidance()
+                self._ll_tokenizer = ll.hf.from_tokenizer(
+                    self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._ll_tokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """The grammar of ``params`` (cached); ValueError naming the field it cannot compile."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return self._cache[key]
+        tokenizer, ll = self.tokenizer(), _llguidance()
+        text = grammar_text(params)
+        matcher = ll.LLMatcher(tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
+        grammar = Grammar(matcher, params)
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def fill(self, rows: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        """Fills ``bitmask[row]`` for every (matcher, row), in parallel on llguidance's
+        threads."""
+        ll = _llguidance()
+        if len(rows) == 1:
+            rows[0][0].fill(bitmask, rows[0][1])
+            return
+        if self._executor is None:
+            self._executor = ll.LLExecutor()
+        ll.numpy.fill_next_token_bitmask_par(self._executor, [(m.ll, r) for m, r in rows],
+                                             bitmask)
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler:
+    """The `GrammarCompiler` of a tokenizer, shared by every engine serving it (replicas, the
+    two sides of disaggregation, a server compiling ahead of `Engine.add_request`)."""
+    if tokenizer is None:
+        return GrammarCompiler(None, vocab_size, eos_token_ids)
+    key = (vocab_size, tuple(eos_token_ids))
+    with _SHARED_LOCK:
+        compilers = _SHARED.setdefault(tokenizer, {})
+        if key not in compilers:
+            compilers[key] = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        return compilers[key]
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar for ``params``; ValueError naming the field."""
+    from llguidance import LLMatcher
+
+    kind = params.kind
+    options = {"whitespace_flexible": False} if params.disable_any_whitespace else \
+        {"whitespace_pattern": params.whitespace_pattern or JSON_WHITESPACE}
+    try:
+        if kind == "json":
+            return LLMatcher.grammar_from_json_schema(json.dumps(params.json), overrides=options)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=options)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
+            return LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in params.choice))
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
+    except Exception as e:  # noqa: BLE001 - the backend's own parse errors
+        raise ValueError(f"structured_outputs.{kind}: {e}") from None

@@ -1,0 +1,204 @@
+"""Structured outputs (issue 30) offline: outputs that match their JSON schema, regex, choice or
+grammar, sampled at temperature 1 from the embedded model (which writes Python, not JSON, so
+only the mask makes them valid); the device's mask equal to llguidance's reference; a cut-off
+output reports "length"; unconstrained neighbours are unchanged; errors name the field."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+from llguidance.numpy import apply_token_bitmask_inplace
+from serving import drive
+
+import jaxkv
+from jaxkv import Engine, SamplingParams, StructuredOutputsParams
+from jaxkv.runtime.processors import apply_token_bitmask
+from jaxkv.structured.grammar import grammars_for
+
+SHAPE = dict(page_size=8, num_pages=96, max_num_seqs=6, max_model_len=320,
+             max_num_batched_tokens=64)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": -5, "maximum": 99},
+        "kind": {"enum": ["a", "b", "c"]},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "point": {"$ref": "#/$defs/point"},
+        "either": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                             {"type": "string", "enum": ["none"]}]},
+    },
+    "required": ["name", "count", "kind", "point"],
+    "additionalProperties": False,
+    "$defs": {"point": {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["x"],
+        "additionalProperties": False}},
+}
+GBNF = 'root ::= "ok:" digit digit? digit? (";" [a-z])?\ndigit ::= [0-9]'
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxkv.load_default()
+
+
+def _valid_json(schema):
+    def check(text):
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    return check
+
+
+CASES = {
+    "json": ({"json": SCHEMA, "disable_any_whitespace": True}, _valid_json(SCHEMA)),
+    "json_object": ({"json_object": True, "disable_any_whitespace": True},
+                    lambda t: isinstance(json.loads(t), dict)),
+    "regex": ({"regex": r"[a-z]{2,5}-[0-9]{2}"},
+              lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{2}", t) is not None),
+    "choice": ({"choice": ["alpha", "beta", "gamma delta"]},
+               lambda t: t in ("alpha", "beta", "gamma delta")),
+    "grammar": ({"grammar": GBNF},
+                lambda t: re.fullmatch(r"ok:[0-9]{1,3}(;[a-z])?", t) is not None),
+}
+
+
+def test_params_errors_name_the_field():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: not JSON"):
+        StructuredOutputsParams(json="{type: object}")
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice must be a non-empty"):
+        StructuredOutputsParams(choice="yes")
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs\.regexp: unknown"):
+        SamplingParams(structured_outputs={"regexp": "a"})
+    assert SamplingParams(structured_outputs={"json": '{"type": "object"}'}) \
+        .structured_outputs == StructuredOutputsParams(json={"type": "object"})
+
+
+def test_backend_errors_name_the_field_when_the_request_is_added(model):
+    engine = Engine(model, **SHAPE)
+    for so, field in (({"regex": "(a"}, "regex"), ({"json": {"type": "objekt"}}, "json"),
+                      ({"grammar": "root ::= ("}, "grammar")):
+        with pytest.raises(ValueError, match=rf"structured_outputs\.{field}: "):
+            engine.add_request("x", prompt="x", sampling_params=SamplingParams(
+                structured_outputs=so))
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="structured_outputs: the model has no tokenizer"):
+        Engine(jaxkv.random_model(model.config), **SHAPE).add_request(
+            "y", prompt_token_ids=[5], sampling_params=SamplingParams(
+                structured_outputs={"regex": "a"}))
+
+
+def test_the_device_mask_equals_llguidance_reference():
+    rng = np.random.default_rng(0)
+    for v in (97, 4096):  # a vocabulary that is not a multiple of 32, and one that is
+        w = (v + 31) // 32
+        logits = rng.standard_normal((5, v)).astype(np.float32)
+        mask = rng.integers(-2**31, 2**31, (5, w), dtype=np.int64).astype(np.int32)
+        masked = np.array([True, True, False, True, False])
+        want = logits.copy()
+        ref = want[masked]
+        apply_token_bitmask_inplace(ref, mask[masked])
+        want[masked] = ref
+        got = np.asarray(apply_token_bitmask(logits, mask, masked))
+        np.testing.assert_array_equal(got, want)
+        assert np.isneginf(got[0]).sum() > 0.3 * v  # random words ban about half
+
+
+def test_a_matchers_mask_allows_exactly_the_prefixes_of_its_choices(model):
+    tok, cfg = model.tokenizer, model.config
+    grammars = grammars_for(tok, cfg.vocab_size, cfg.eos_token_ids)
+    choices = ["alpha", "beta"]
+    matcher = grammars.compile(StructuredOutputsParams(choice=choices)).matcher()
+    bitmask = np.zeros((1, (cfg.vocab_size + 31) // 32), np.int32)
+    matcher.fill(bitmask, 0)
+    bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[:cfg.vocab_size]
+    allowed = set(np.flatnonzero(bits).tolist())
+    want = {t for t in range(cfg.vocab_size)
+            if (s := tok.decode([t])) and any(c.startswith(s) for c in choices)}
+    assert allowed == want and allowed
+    assert grammars.compile(StructuredOutputsParams(choice=choices)).params.choice == \
+        tuple(choices)  # the second compile is a cache hit
+    assert grammars.hits >= 1
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_sampled_outputs_match_their_constraint(model, kind):
+    so, valid = CASES[kind]
+    engine = Engine(model, **SHAPE)
+    prompts = ["def parse(line):\n    ", "import os\n\nclass ", "x = [1, 2"]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt=p, sampling_params=SamplingParams(
+            temperature=1.0, seed=i, n=2, max_tokens=160, structured_outputs=so))
+    done = drive(engine)
+    outs = [c for out in done.values() for c in out.outputs]
+    texts = [c.text for c in outs]
+    assert len(texts) == 2 * len(prompts)
+    # Any JSON object is unbounded: a model that writes Python may not close one in
+    # max_tokens (cut off: "length"); every other constraint here is bounded.
+    ended = [c for c in outs if c.finish_reason == "stop"]
+    assert len(ended) == len(outs) or kind == "json_object" and len(ended) >= 2
+    for c in ended:
+        assert valid(c.text), c.text
+    assert len(set(texts)) > 1  # sampled, not one forced string
+    assert engine.stats().kv_pages_used == 0
+
+
+def test_a_cut_off_output_reports_length(model):
+    engine = Engine(model, **SHAPE)
+    engine.add_request("cut", prompt="x", sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs={"json": SCHEMA}))
+    out = drive(engine)["cut"].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
+def test_unconstrained_neighbours_are_unchanged_and_aborts_free_everything(model):
+    """Greedy requests beside constrained ones (sharing a step, prefix-cached prompts,
+    a constrained request aborted mid-way) decode exactly as alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def parse(line):\n    ", "import os\n\nclass ", "def parse(line):\n    x"]
+
+    def run(constrained: bool):
+        engine = Engine(model, **SHAPE)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"g{i}", prompt=p, sampling_params=greedy)
+            if constrained:
+                engine.add_request(f"c{i}", prompt=p, sampling_params=SamplingParams(
+                    temperature=1.0, seed=i, max_tokens=40,
+                    structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}))
+        outs = {}
+        for step in range(400):
+            if constrained and step == 3:
+                engine.abort("c1")
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+            engine.check()
+            if not engine.has_unfinished_requests():
+                break
+        assert engine.stats().kv_pages_used == 0
+        return outs
+
+    alone, mixed = run(False), run(True)
+    for i in range(len(prompts)):
+        assert mixed[f"g{i}"].outputs[0].token_ids == alone[f"g{i}"].outputs[0].token_ids
+    assert mixed["c1"].outputs[0].finish_reason == "abort"
+
+
+def test_disaggregated_serving_masks_the_first_token_and_the_rest(model):
+    from jaxkv.disagg import DisaggregatedEngine, kv_transfer
+
+    engine = DisaggregatedEngine(Engine(model, **SHAPE), Engine(model, **SHAPE),
+                                 lockstep=True, transport=kv_transfer.PageMover)
+    so, valid = CASES["regex"]
+    for i in range(3):
+        engine.add_request(f"d{i}", prompt="def f(x):\n    return", sampling_params=(
+            SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=so)))
+    done = drive(engine)
+    assert all(valid(out.outputs[0].text) for out in done.values())
