@@ -190,6 +190,10 @@ def _add_serve_parser(subparsers) -> None:
                         "each key is a tenant with its own prefix-cache namespace")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="more keys, one per line (like --api-key)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json",
+                                                                  "mistral"],
+                   help="how tool calls look in the model's text, for tool_choice 'auto' "
+                        "(default: detected from the chat template)")
     p.set_defaults(func=run_serve, settings=add_engine_arguments(p))
 
 
@@ -208,7 +212,8 @@ def run_serve(args) -> int:
         settings["host_kv_cache_bytes"] = int(args.host_kv_cache_gib * 2**30)
     llm = jaxkv.LLM(args.model, **settings)  # compiles every program first (--no-warmup: not)
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
-          host=args.host, port=args.port, max_pending=args.max_pending, api_keys=keys)
+          host=args.host, port=args.port, max_pending=args.max_pending, api_keys=keys,
+          tool_call_parser=args.tool_call_parser)
     return 0
 
 

@@ -125,6 +125,9 @@ class SamplingParams:
             fail("max_tokens", self.max_tokens, "must be an int >= 1")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             fail("min_tokens", self.min_tokens, "must be an int in [0, max_tokens]")
+        if self.structured_outputs is not None and self.min_tokens:
+            fail("min_tokens", self.min_tokens, "not with structured_outputs: the grammar "
+                 "decides where the output ends (EOS may be all it allows)")
         if self.seed is not None and (not is_int(self.seed)
                                       or not -(2**63) <= self.seed < 2**64):
             fail("seed", self.seed, "must be None or an int in [-2**63, 2**64) (vLLM's range)")

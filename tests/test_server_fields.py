@@ -23,6 +23,7 @@ PROMPT = "def add(a, b):"
 USER = [{"role": "user", "content": "Write a function."}]
 PARTIAL = [*USER, {"role": "assistant", "content": "def f("}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 BASE = {"completions": {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0},
         "chat": {"model": MODEL, "messages": USER, "max_tokens": 2, "temperature": 0}}
 
@@ -109,11 +110,19 @@ FIELDS: dict[str, Row] = {
     "top_logprobs": Row(MAPPED, chat=3, check=sp_has(logprobs=3), also={"logprobs": True}),
     "metadata": Row(IGNORED, chat={"team": "a"}, check=unchanged),
     "store": Row(IGNORED, chat=True, check=unchanged),
-    "tools": Row(REFUSED, chat=[TOOL]),
-    "tool_choice": Row(REFUSED, chat="auto"),
+    # (the tiny model's chat template names no tool-call format: "required" is what it serves)
+    "tools": Row(MAPPED, chat=[TOOL], also={"tool_choice": "required"},
+                 check=lambda s: s.sp.structured_outputs.json["items"]["anyOf"][0][
+                     "properties"]["name"]["enum"] == ["f"]),
+    "tool_choice": Row(MAPPED, chat={"type": "function", "function": {"name": "f"}},
+                       also={"tools": [TOOL]}, check=sp_has(
+                           structured_outputs=StructuredOutputsParams(
+                               json={"type": "object"}, whitespace_pattern="[ ]?"))),
     "functions": Row(REFUSED, chat=[TOOL["function"]]),
     "function_call": Row(REFUSED, chat="auto"),
-    "parallel_tool_calls": Row(REFUSED, chat=True),
+    "parallel_tool_calls": Row(MAPPED, chat=False, also={"tools": [TOOL],
+                                                         "tool_choice": "required"},
+                               check=lambda s: s.sp.structured_outputs.json["maxItems"] == 1),
     "audio": Row(REFUSED, chat={"voice": "alloy", "format": "wav"}),
     "modalities": Row(REFUSED, chat=["text", "audio"]),
     "prediction": Row(REFUSED, chat={"type": "content", "content": "x"}),
@@ -141,7 +150,8 @@ FIELDS: dict[str, Row] = {
                                                  add_generation_prompt=False)),
     "chat_template_kwargs": Row(MAPPED, chat={"unused": 1},
                                 check=template(USER, add_generation_prompt=True)),
-    "echo": both(REFUSED, True),
+    "echo": Row(MAPPED, completions=True,
+                check=lambda s: s.json["choices"][0]["text"].startswith(PROMPT)),
     "min_p": both(REFUSED, 0.05),
     "spaces_between_special_tokens": both(REFUSED, False),
     "response_format": both(MAPPED, {"type": "json_object"},
@@ -269,8 +279,24 @@ def test_an_unknown_field_is_refused_by_name(server, endpoint, extra, param):
     ("chat", {"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
     ("chat", {"continue_final_message": True, "add_generation_prompt": True},
      "continue_final_message"),
-    ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [TOOL]}]},
+    ("chat", {"messages": [{"role": "user", "content": "", "tool_calls": [CALL]}]},
      "messages.0.tool_calls"),
+    ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+    ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]},
+     "messages.0.tool_calls.0"),
+    ("chat", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ("chat", {"tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}},
+     "tool_choice"),
+    ("chat", {"guided_choice": 5}, "guided_choice"),
+    ("chat", {"guided_json": "false"}, "guided_json"),
+    ("completions", {"max_tokens": -5}, "max_tokens"),
+    ("chat", {"tools": [TOOL]}, "tool_choice"),  # 'auto' needs a parser: the template has none
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
+    ("chat", {"tools": [TOOL], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
     ("chat", {"cache_salt": ""}, "cache_salt"),
     ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])

@@ -75,6 +75,15 @@ def test_params_errors_name_the_field():
         StructuredOutputsParams(choice="yes")
     with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs\.regexp: unknown"):
         SamplingParams(structured_outputs={"regexp": "a"})
+    for bad in (5, True, {"a": 1}, [], ["a", 2]):
+        with pytest.raises(ValueError, match=r"structured_outputs\.choice must be"):
+            StructuredOutputsParams(choice=bad)
+    with pytest.raises(ValueError, match=r"structured_outputs\.json must be a JSON schema"):
+        StructuredOutputsParams(json="false")
+    with pytest.raises(ValueError, match="whitespace_pattern is for json"):
+        StructuredOutputsParams(regex="a", whitespace_pattern=" ?")
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens=2: not with structured"):
+        SamplingParams(min_tokens=2, max_tokens=5, structured_outputs={"regex": "a+"})
     assert SamplingParams(structured_outputs={"json": '{"type": "object"}'}) \
         .structured_outputs == StructuredOutputsParams(json={"type": "object"})
 
@@ -148,6 +157,23 @@ def test_sampled_outputs_match_their_constraint(model, kind):
     assert engine.stats().kv_pages_used == 0
 
 
+def test_a_grammar_left_with_no_token_is_an_error_that_says_why(model):
+    """The logits processors ban every token the grammar allows: the request ends with
+    "error" and a message naming structured_outputs; the engine serves on, no page held."""
+    engine = Engine(model, **SHAPE)
+    only = model.tokenizer.encode("zz")[0]
+    engine.add_request("banned", prompt="x", sampling_params=SamplingParams(
+        temperature=0, max_tokens=8, allowed_token_ids=[only],
+        structured_outputs={"choice": ["yes", "no"]}))
+    engine.add_request("fine", prompt="x", sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs={"choice": ["yes", "no"]}))
+    done = drive(engine)
+    assert done["banned"].outputs[0].finish_reason == "error"
+    assert "structured_outputs" in done["banned"].error
+    assert done["fine"].outputs[0].text in ("yes", "no")
+    assert engine.stats().kv_pages_used == 0
+
+
 def test_a_cut_off_output_reports_length(model):
     engine = Engine(model, **SHAPE)
     engine.add_request("cut", prompt="x", sampling_params=SamplingParams(
@@ -202,3 +228,38 @@ def test_disaggregated_serving_masks_the_first_token_and_the_rest(model):
             SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=so)))
     done = drive(engine)
     assert all(valid(out.outputs[0].text) for out in done.values())
+
+
+def test_constrained_requests_do_not_speculate_and_stay_valid(model):
+    """With n-gram speculation on, a constrained request decodes without drafts (its mask
+    depends on every token) and still matches; an unconstrained neighbour speculates."""
+    engine = Engine(model, **SHAPE, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+        "min_draft_tokens": 1})
+    so, valid = CASES["regex"]
+    loop = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\n"
+    engine.add_request("c", prompt=loop, sampling_params=SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=so))
+    engine.add_request("u", prompt=loop, sampling_params=SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True))
+    done = drive(engine)
+    assert valid(done["c"].outputs[0].text)
+    assert done["c"].metrics.num_draft_tokens == 0
+    assert done["u"].metrics.num_draft_tokens > 0
+
+
+def test_constrained_outputs_over_int8_kv_with_logprobs(model):
+    """int8 KV pages and per-token logprobs (of the raw logits: the masked-out tokens keep
+    theirs) beside a grammar."""
+    engine = Engine(model, **SHAPE, kv_cache_dtype="int8")
+    so, valid = CASES["json"]
+    for i in range(2):
+        engine.add_request(f"q{i}", prompt="def parse(line):\n    ", sampling_params=(
+            SamplingParams(temperature=1.0, seed=i, max_tokens=160, logprobs=2,
+                           structured_outputs=so)))
+    for out in drive(engine).values():
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and valid(c.text)
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(t in e and e[t].logprob <= 0 for t, e in zip(c.token_ids, c.logprobs,
+                                                                strict=True))

@@ -26,6 +26,7 @@ COMMANDS = {
     "window-kv": "window_kv",
     "spec": "spec",
     "spec-roofline": "spec_roofline",
+    "structured": "structured",
     "kv-accuracy": "kv_accuracy",
     "kv-capacity": "kv_capacity",
     "host-tier": "host_tier",

@@ -46,7 +46,8 @@ def build_output(request_id: str, entry: RequestEntry) -> RequestOutput | None:
     return RequestOutput(
         request_id=request_id, prompt=entry.prompt, prompt_token_ids=first.prompt_token_ids,
         outputs=outs, finished=finished, num_cached_tokens=first.num_cached_tokens or 0,
-        metrics=request_metrics(entry.samples), error=entry.error, prompt_logprobs=prompt_lps)
+        metrics=request_metrics(entry.samples), prompt_logprobs=prompt_lps,
+        error=entry.error or next((s.error for s in entry.samples if s.error), None))
 
 
 def _completion(s: Request, kind: RequestOutputKind) -> CompletionOutput:

@@ -72,6 +72,7 @@ class Request:
     idle_looks: int = 0  # looks for drafts in a row that found none
     # Structured outputs: its grammar's state (`jaxkv.structured.grammar.Matcher`).
     grammar: object = None
+    error: str | None = None  # why it ended with "error", when this sample knows
 
     def __post_init__(self):
         if not self.token_ids:
@@ -126,7 +127,12 @@ class Request:
         sp = self.sampling_params
         reason = sp.finish_reason(token, self.num_output_tokens, eos_token_ids)
         if self.grammar is not None and not self.grammar.consume(token):
-            return "error"  # the mask allowed it: a bug, not the caller's
+            # no token was allowed (the logits processors banned every one the grammar
+            # allows), or the mask was wrong
+            self.error = (f"structured_outputs: token {token} is not allowed here "
+                          f"({self.grammar.error}); did logit_bias, allowed_token_ids or "
+                          "bad_words ban every token the grammar allows?")
+            return "error"
         if self.detok is not None and (reason != "stop" or sp.include_stop_str_in_output):
             self.detok.push(token)  # a stop token's text only with include_stop_str_in_output
             if reason != "stop" and sp.stop and self.num_output_tokens > sp.min_tokens and \

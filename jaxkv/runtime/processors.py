@@ -136,6 +136,8 @@ def build_processors(rows, num_rows: int, grammars=None) -> LogitsProcessors:
     width = MIN_ENTRIES
     while width < max((len(b[2]) for b in built), default=0):
         width *= 2
+    constrained = [(r[5], r[0]) for r in rows if r[5] is not None]
+    words = bitmask_words(grammars.vocab_size) if constrained else 1  # (1: no mask to ship)
     p = LogitsProcessors(
         ids=np.full((num_rows, width), -1, np.int32),
         bias=np.zeros((num_rows, width), np.float32),
@@ -144,10 +146,7 @@ def build_processors(rows, num_rows: int, grammars=None) -> LogitsProcessors:
         restrict=np.zeros(num_rows, bool), active=np.zeros(num_rows, bool),
         repetition=np.ones(num_rows, np.float32),
         frequency=np.zeros(num_rows, np.float32), presence=np.zeros(num_rows, np.float32),
-        mask=np.zeros((num_rows, 1 if grammars is None else bitmask_words(grammars.vocab_size)),
-                      np.int32),
-        masked=np.zeros(num_rows, bool))
-    constrained = [(r[5], r[0]) for r in rows if r[5] is not None]
+        mask=np.zeros((num_rows, words), np.int32), masked=np.zeros(num_rows, bool))
     if constrained:
         grammars.fill(constrained, p.mask)
         p.masked[[row for _, row in constrained]] = True

@@ -11,6 +11,7 @@ disconnects aborts its request, which frees its pages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from jaxkv.server.async_engine import AsyncEngine, QueueFullError
 from jaxkv.server.auth import TENANT, RequireKey, Tenants, cache_salt
+from jaxkv.server.logprob_format import LogprobFormat
 from jaxkv.server.metrics import ServerMetrics
 from jaxkv.server.protocol import (
     ChatCompletionRequest,
@@ -30,6 +32,8 @@ from jaxkv.server.protocol import (
     message_dict,
     validation_message,
 )
+from jaxkv.server.tokenize import add_routes as tokenize_routes
+from jaxkv.server.tools import PARSERS, ToolReplies, detect_parser
 from jaxkv.structured.grammar import grammars_for
 
 _DISCONNECT_POLL_S = 0.25
@@ -61,12 +65,20 @@ def _bad_field(message: str) -> str | None:
 
 
 def build_app(llm, *, model_name: str, max_pending: int = 256,
-              api_keys: tuple[str, ...] | list[str] = ()) -> FastAPI:
+              api_keys: tuple[str, ...] | list[str] = (),
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app serving ``llm`` (a `jaxkv.LLM`, whose engine is any `EngineClient`): one engine
     loop thread for all connections. With ``api_keys``, /v1/* needs one of them, and each key
-    is a tenant with its own prefix-cache namespace (`jaxkv.server.auth`)."""
+    is a tenant with its own prefix-cache namespace (`jaxkv.server.auth`).
+    ``tool_call_parser`` (`jaxkv.server.tools.PARSERS`) reads tool calls in the model's text
+    for ``tool_choice="auto"``; default: the format the chat template names, if any."""
     tenants = Tenants(api_keys)
     engine, tokenizer = llm.engine, llm.model.tokenizer
+    fmt = LogprobFormat(tokenizer)
+    if tool_call_parser not in (None, *PARSERS):
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got "
+                         f"{tool_call_parser!r}")
+    parser = tool_call_parser or detect_parser(getattr(tokenizer, "chat_template", None))
     metrics = ServerMetrics(model_name)
     counter = itertools.count()
 
@@ -169,43 +181,6 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
             payload["usage"] = usage(prompt_tokens, state["completion"], state["cached"])
         return payload
 
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-    def completion_logprobs(choice) -> dict | None:
-        if choice.logprobs is None:
-            return None
-        tokens, lps, tops = [], [], []
-        for token_id, entry in zip(choice.token_ids, choice.logprobs, strict=False):
-            tokens.append(token_text(token_id))
-            lps.append(entry[token_id].logprob)
-            tops.append({token_text(t): lp.logprob for t, lp in entry.items()})
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-                "text_offset": list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))}
-
-    def chat_logprobs(choice, top: int) -> dict | None:
-        if choice.logprobs is None:
-            return None
-        content = []
-        for token_id, entry in zip(choice.token_ids, choice.logprobs, strict=False):
-            text = token_text(token_id)
-            others = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
-            content.append({"token": text, "logprob": entry[token_id].logprob,
-                            "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": token_text(t), "logprob": lp.logprob,
-                                              "bytes": list(token_text(t).encode())}
-                                             for t, lp in others]})
-        return {"content": content}
-
-    def prompt_logprobs(out) -> list | None:
-        """vLLM's shape: per prompt token, None for the first, then {id: {logprob, rank,
-        decoded_token}} for the token and the k most likely."""
-        if out.prompt_logprobs is None:
-            return None
-        return [None if entry is None else {
-            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}
-            for t, lp in entry.items()} for entry in out.prompt_logprobs]
-
     def fresh(out, state):
         """The samples of a DELTA output with something new: a DELTA output lists every
         sample, so a finished one would repeat its end, and one not yet started is empty."""
@@ -239,6 +214,13 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
             if not finished:
                 core.abort(request_id)  # the client went away mid-stream
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                           f"{model_name!r}", "model")
+
+    tokenize_routes(app, tokenizer, max_len, check_model)
+
     @app.get("/health")
     async def health():
         return Response(status_code=200)
@@ -256,9 +238,7 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
     def check(body, http: Request) -> str | None:
         """Refuses a request for another model (404) or with a field jaxkv does not serve
         (400); the engine's cache salt: the tenant's namespace and the request's salt."""
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                           f"{model_name!r}", "model")
+        check_model(body.model)
         body.check_supported()
         return cache_salt(http.scope.get(TENANT), body.cache_salt)
 
@@ -294,7 +274,7 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
                 for c in fresh(out, state):
                     state["completion"] += len(c.token_ids)
                     yield running_usage(body, {**head, "choices": [{
-                        "index": c.index, "text": c.text, "logprobs": completion_logprobs(c),
+                        "index": c.index, "text": c.text, "logprobs": fmt.completion(c),
                         "finish_reason": c.finish_reason}]}, len(ids_list[0]), state)
 
             def final_usage():
@@ -312,15 +292,22 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
             for rid in request_ids:
                 core.abort(rid)  # a no-op for those already finished
             raise
-        choices, completion = [], 0
+        choices, completion, generate = [], 0, body.max_tokens != 0
         for p, out in enumerate(outs):
             for c in out.outputs:
-                completion += len(c.token_ids)
-                choices.append({"index": p * body.n + c.index, "text": c.text,
-                                "logprobs": completion_logprobs(c),
-                                "finish_reason": c.finish_reason})
+                text, lps = c.text if generate else "", fmt.completion(c)
+                if body.echo:  # the prompt first (max_tokens=0: only the prompt)
+                    given = isinstance(prompts[p], str) and body.truncate_prompt_tokens is None
+                    prompt = prompts[p] if given else tokenizer.decode(ids_list[p]) \
+                        if tokenizer is not None else ""
+                    text = prompt + text
+                    lps = None if body.logprobs is None else fmt.completion(
+                        c, (ids_list[p], out.prompt_logprobs, generate))
+                completion += len(c.token_ids) if generate else 0
+                choices.append({"index": p * body.n + c.index, "text": text, "logprobs": lps,
+                                "finish_reason": c.finish_reason if generate else "length"})
                 if body.prompt_logprobs is not None:
-                    choices[-1]["prompt_logprobs"] = prompt_logprobs(out)
+                    choices[-1]["prompt_logprobs"] = fmt.prompt(out)
         return {**head, "choices": choices,
                 "usage": usage(sum(len(i) for i in ids_list), completion,
                                sum(o.num_cached_tokens for o in outs))}
@@ -340,26 +327,35 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
         ids = body.truncate(ids)
         top = body.top_logprobs or 0
         logprobs = top if body.logprobs else None
+        replies = ToolReplies(body.tool_mode()[1], parser, body.parallel_tool_calls)
+        if replies.mode == "auto" and parser is None:
+            raise FieldError("tool_choice", "'auto' reads tool calls from the model's text, "
+                             "and this model's chat template names no format: start the "
+                             "server with --tool-call-parser, or send 'required' or a name")
         sp = sampling(body, body.max_output_tokens, logprobs, len(ids))
+        if replies.mode == "auto":  # the calls' markers may be special tokens: kept
+            sp = dataclasses.replace(sp, skip_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         queue = await submit(ids, sp, request_id, salt, body)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
-            state = {"completion": 0, "cached": 0, "started": set(), "ended": set()}
+            state = {"completion": 0, "cached": 0, "started": set(), "ended": set(),
+                     "text": {}}
             chunk_head = {**head, "object": "chat.completion.chunk"}
 
             def chunk(out):
                 state["cached"] = out.num_cached_tokens
                 for c in fresh(out, state):
                     state["completion"] += len(c.token_ids)
-                    delta = {"content": c.text}
+                    text = state["text"][c.index] = state["text"].get(c.index, "") + c.text
+                    delta, reason = replies.delta(c.index, text, c.finish_reason)
                     if c.index not in state["started"]:
                         state["started"].add(c.index)
                         delta["role"] = "assistant"
                     yield running_usage(body, {**chunk_head, "choices": [{
-                        "index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top),
-                        "finish_reason": c.finish_reason}]}, len(ids), state)
+                        "index": c.index, "delta": delta, "logprobs": fmt.chat(c, top),
+                        "finish_reason": reason}]}, len(ids), state)
 
             def final_usage():
                 if not (body.stream_options and body.stream_options.include_usage):
@@ -370,10 +366,11 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
             return StreamingResponse(stream(http, queue, request_id, chunk, final_usage),
                                      media_type="text/event-stream")
         out = await next_output(queue, http, request_id)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, top), "finish_reason": c.finish_reason}
-                   for c in out.outputs]
-        extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs(out)}
+        choices = [{"index": c.index, **dict(zip(("message", "finish_reason"),
+                                                 replies.message(c.text, c.finish_reason),
+                                                 strict=True)),
+                    "logprobs": fmt.chat(c, top)} for c in out.outputs]
+        extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": fmt.prompt(out)}
         return {**head, "choices": choices, **extra,  # prompt logprobs: vLLM's place for chat
                 "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs),
                                out.num_cached_tokens)}
@@ -382,9 +379,11 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
 
 
 def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_pending: int = 256, api_keys: tuple[str, ...] | list[str] = ()) -> None:
+          max_pending: int = 256, api_keys: tuple[str, ...] | list[str] = (),
+          tool_call_parser: str | None = None) -> None:
     """Runs the server until interrupted."""
     import uvicorn
 
     uvicorn.run(build_app(llm, model_name=model_name, max_pending=max_pending,
-                          api_keys=api_keys), host=host, port=port, log_level="info")
+                          api_keys=api_keys, tool_call_parser=tool_call_parser),
+                host=host, port=port, log_level="info")

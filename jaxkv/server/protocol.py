@@ -13,6 +13,8 @@ too (``extra="forbid"``): never silently dropped.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -21,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.structured.params import StructuredOutputsParams
 
-TOOLS = "tool calling is not supported yet"
+TOOLS = "OpenAI's legacy function calling; send tools and tool_choice"
 # vLLM's older names of structured_outputs' fields
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
@@ -54,7 +56,6 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # Refused fields: name -> (accepts the values that mean "nothing", why others are refused).
     REFUSED: ClassVar[dict[str, tuple[Callable[[object], bool], str]]] = {
-        "echo": (_is(False), "echoing the prompt is not supported"),
         "min_p": (_is(0, 0.0), "min-p sampling is not implemented (SamplingParams has no "
                   "min_p)"),
         "spaces_between_special_tokens": (
@@ -102,7 +103,6 @@ class _Request(BaseModel):
     # ignored
     user: str | None = None
     # refused (typed loosely: a client sees the refusal, not a type error)
-    echo: Any = None
     min_p: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
@@ -193,13 +193,29 @@ class CompletionRequest(_Request):
                "suffix": (_is(), "inserting text after the completion is not supported")}
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: with echo, only the prompt (and its logprobs)
     logprobs: int | None = None
+    echo: bool = False  # the prompt before the completion (and its logprobs, the first None)
     best_of: int | None = None  # only None or n: the best of more samples is not supported
     suffix: Any = None  # refused
 
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """With ``echo``, the prompt's logprobs are computed too; ``max_tokens=0`` samples
+        one token, which the reply leaves out."""
+        sp = super().sampling_params(1 if max_tokens == 0 and self.echo else max_tokens,
+                                     logprobs)
+        if self.echo and logprobs is not None:
+            k = max(logprobs, self.prompt_logprobs or 0)
+            sp = dataclasses.replace(sp, prompt_logprobs=k)
+        return sp
+
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "0 is only for echo=true (the prompt's logprobs, "
+                             "as evaluation harnesses ask)")
+        if self.echo and self.stream:
+            raise FieldError("echo", "not with stream=true; send stream=false")
         if self.best_of is not None and self.best_of != self.n:
             raise FieldError("best_of", f"best_of={self.best_of} with n={self.n}: returning "
                              "the best of more samples than n is not supported; omit best_of "
@@ -213,7 +229,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
     name: str | None = None  # given to the chat template (which may or may not use it)
     tool_call_id: str | None = None  # given to the chat template
-    tool_calls: list[dict] | None = None  # refused unless empty
+    tool_calls: list[dict] | None = None  # an assistant's calls, given to the chat template
 
 
 _TEMPLATE_ARGS = frozenset({  # apply_chat_template's own arguments: not template variables
@@ -225,11 +241,8 @@ _TEMPLATE_ARGS = frozenset({  # apply_chat_template's own arguments: not templat
 class ChatCompletionRequest(_Request):
     REFUSED = {
         **_Request.REFUSED,
-        "tools": (_is([]), TOOLS),
-        "tool_choice": (_is("none"), TOOLS),
         "functions": (_is([]), TOOLS),
         "function_call": (_is("none"), TOOLS),
-        "parallel_tool_calls": (_is(), TOOLS),
         "audio": (_is(), "audio output is not supported"),
         "modalities": (_is(["text"]), "only text output is supported"),
         "prediction": (_is(), "predicted outputs are not supported"),
@@ -249,15 +262,16 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool | None = None  # default: not continue_final_message
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables
+    # mapped: tool calling (jaxkv.server.tools); typed loosely, checked by check_tools
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     # ignored
     metadata: dict[str, str] | None = None
     store: bool | None = None
     # refused
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -269,8 +283,10 @@ class ChatCompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         for i, m in enumerate(self.messages):
-            if m.tool_calls:
-                raise FieldError(f"messages.{i}.tool_calls", TOOLS)
+            if m.tool_calls and m.role != "assistant":
+                raise FieldError(f"messages.{i}.tool_calls", "only assistant messages make "
+                                 "tool calls")
+        self.tool_mode()  # FieldError naming a malformed tool or tool_choice
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -281,10 +297,31 @@ class ChatCompletionRequest(_Request):
             raise FieldError("chat_template_kwargs", f"{reserved[0]!r} is an argument of "
                              "the template call, not a template variable; send it as a field")
 
+    def tool_mode(self) -> tuple[list[dict], str | dict]:
+        """(tools, tool_choice), checked and defaulted (`jaxkv.server.tools.check_tools`)."""
+        from jaxkv.server.tools import check_tools
+
+        return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """With ``tool_choice`` "required" or a named function, the constraint of the calls
+        (and no other constraint may be asked for)."""
+        from jaxkv.server.tools import constraint
+
+        asked, field = super().structured()
+        tools, choice = self.tool_mode()
+        forced = constraint(tools, choice, self.parallel_tool_calls)
+        if forced is None:
+            return asked, field
+        if asked is not None:
+            raise FieldError(field, f"tool_choice={choice!r} already constrains the output")
+        return forced, "tools"
+
     def template_options(self) -> dict:
         """apply_chat_template's keyword arguments for this request (beyond the messages)."""
         add = self.add_generation_prompt
-        return {**(self.chat_template_kwargs or {}),
+        tools = self.tool_mode()[0]
+        return {**(self.chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
                 "add_generation_prompt": not self.continue_final_message if add is None else add,
                 "continue_final_message": self.continue_final_message}
 
@@ -332,7 +369,24 @@ def message_dict(message: ChatMessage, index: int) -> dict:
     for key in ("name", "tool_call_id"):
         if getattr(message, key) is not None:
             out[key] = getattr(message, key)
+    if message.tool_calls:  # templates read arguments as a dict (OpenAI sends JSON text)
+        out["tool_calls"] = [_template_call(c, f"messages.{index}.tool_calls.{j}")
+                             for j, c in enumerate(message.tool_calls)]
     return out
+
+
+def _template_call(call: dict, field: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise FieldError(field, "must be {\"id\": ..., \"type\": \"function\", \"function\": "
+                         "{\"name\": ..., \"arguments\": ...}}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise FieldError(f"{field}.function.arguments", "is not JSON") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 FIELD_NAMES = frozenset(CompletionRequest.model_fields) | frozenset(

@@ -9,7 +9,7 @@ triton, too much for a JAX engine on a TPU VM. Both are measured by `jaxkv bench
 (docs/BENCHMARKS.md#structured-outputs-issue-30).
 
 The bitmask: int32[B, ceil(V / 32)], bit j of word w allowing token 32 w + j (llguidance's
-and xgrammar's layout); `jaxkv.runtime.grammar_mask` unpacks it on device.
+and xgrammar's layout); `jaxkv.runtime.processors.apply_token_bitmask` unpacks it on device.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ class GrammarCompiler:
         self._cache: OrderedDict = OrderedDict()
         self._executor = None
         self.hits = self.misses = 0
+
+    def fresh(self) -> GrammarCompiler:
+        """A compiler with an empty cache and this one's tokenizer (for timing compiles)."""
+        other = GrammarCompiler(self._tokenizer, self.vocab_size, self._eos, self.cache_size)
+        other._ll_tokenizer = self.tokenizer()
+        return other
 
     def tokenizer(self):
         """llguidance's view of the tokenizer (built once: about a second for 50k tokens)."""

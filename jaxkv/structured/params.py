@@ -42,7 +42,8 @@ class StructuredOutputsParams:
 
     def __post_init__(self):
         name = "structured_outputs"
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if getattr(self, k) is not None and
+                 (k != "json_object" or self.json_object is not False)]
         if len(given) != 1:
             raise ValueError(f"{name}: give exactly one of {', '.join(KINDS)} "
                              f"(got {', '.join(given) or 'none'})")
@@ -53,9 +54,9 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{name}.json: not JSON: {e}") from None
-            if not isinstance(schema, (Mapping, bool)):
+            if not isinstance(schema, Mapping):
                 raise ValueError(f"{name}.json must be a JSON schema (an object), got "
-                                 f"{type(schema).__name__}")
+                                 f"{schema!r}")
             object.__setattr__(self, "json", schema)
         for field in ("regex", "grammar"):
             value = getattr(self, field)
@@ -63,8 +64,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"{name}.{field} must be a non-empty string, got {value!r}")
         if self.choice is not None:
             choice = self.choice
-            if isinstance(choice, str) or not all(isinstance(c, str) for c in choice) \
-                    or not choice:
+            if not isinstance(choice, (list, tuple)) or not choice or \
+                    not all(isinstance(c, str) for c in choice):
                 raise ValueError(f"{name}.choice must be a non-empty list of strings, got "
                                  f"{choice!r}")
             object.__setattr__(self, "choice", tuple(choice))
@@ -76,6 +77,11 @@ class StructuredOutputsParams:
             raise ValueError(f"{name}.whitespace_pattern must be a regex string")
         if self.whitespace_pattern is not None and self.disable_any_whitespace:
             raise ValueError(f"{name}.whitespace_pattern: disable_any_whitespace allows none")
+        if (self.whitespace_pattern is not None or self.disable_any_whitespace) and \
+                given[0] not in ("json", "json_object"):
+            field = "whitespace_pattern" if self.whitespace_pattern is not None \
+                else "disable_any_whitespace"
+            raise ValueError(f"{name}.{field} is for json and json_object, not {given[0]}")
 
     @classmethod
     def of(cls, value) -> StructuredOutputsParams | None:
@@ -94,7 +100,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if getattr(self, k) is not None and
+                    (k != "json_object" or self.json_object is not False))
 
     @property
     def key(self) -> tuple:

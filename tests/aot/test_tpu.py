@@ -472,3 +472,40 @@ def test_page_copies_leave_a_bf16_pool_in_place(model, page_size, table):
                r.alias_bytes // MiB, f"{r.seconds:.1f}"])
         assert r.largest_copy() < 0.1 * pool and r.temp_bytes < 0.1 * pool, name
         assert r.alias_bytes >= pool
+
+
+SAMPLE_COLUMNS = ["chip", "program", "rows x vocab", "mask KiB", "temp MiB", "largest copy MiB",
+                  "compile s"]
+
+
+@pytest.mark.parametrize("chip", aot_tpu.CHIPS)
+def test_masked_sampling_compiles(chip, table):
+    """The sampling program of rows with logits processors or a grammar (structured outputs:
+    a packed int32 [R, V / 32] mask unpacked on device), at 64 rows of Llama-3's 128,256-token
+    vocabulary: it compiles, and its temporaries stay a few [R, V] f32 buffers (the logits'
+    size is 32 MiB)."""
+    import numpy as np
+
+    from jaxkv import SamplingParams
+    from jaxkv.runtime.processors import build_processors, sample_processed
+    from jaxkv.runtime.sampling import SamplingArrays
+
+    class Grammars:  # every row constrained; the mask's values do not matter to a compile
+        vocab_size = 128256
+
+        def fill(self, rows, bitmask):
+            bitmask[:] = -1
+
+    rows, v = 64, Grammars.vocab_size
+    procs = build_processors([(i, [1], 1, SamplingParams(), [], object()) for i in range(rows)],
+                             rows, Grammars())
+    args = aot_tpu.on_chip(chip, (jax.ShapeDtypeStruct((rows, v), jnp.float32),
+                                  np.zeros((rows, 2), np.uint32), SamplingArrays.greedy(rows),
+                                  procs, np.zeros(rows, np.int32)))
+    r = aot_tpu.compile_for(chip, sample_processed, *args)
+    logits = rows * v * 4
+    table("Masked sampling on TPU (jaxkv.runtime.processors.sample_processed)", SAMPLE_COLUMNS,
+          [chip, "sample_processed", f"{rows} x {v}", procs.mask.nbytes // 1024,
+           f"{r.temp_bytes / MiB:.1f}", f"{r.largest_copy() / MiB:.1f}", f"{r.seconds:.1f}"])
+    assert procs.mask.shape == (rows, (v + 31) // 32)
+    assert r.temp_bytes < 8 * logits

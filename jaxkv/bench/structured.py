@@ -1,0 +1,222 @@
+"""Structured outputs: replies that validate, grammar compile and mask times (llguidance, the
+backend, against xgrammar), and what the mask costs a decode step.
+
+1. Backends, on every schema of jaxkv.bench.structured_schemas (held out: never used by the
+   tests): the first compile and a cached one (ms), and the mean time to fill one row's mask
+   (us) along a reply (the tokens of the reply jaxkv generated for that schema, replayed).
+   xgrammar is measured only when it is installed (it needs torch).
+2. Validity: each schema's reply from ``--model`` (greedy and ``--samples`` at temperature
+   0.8), parsed and checked with jsonschema; cut off at ``--new-tokens`` counts apart.
+3. Cost at batch ``--batch``, every row constrained, ``max_decode_steps=1`` for both runs (a
+   constrained row decodes one step per host round trip): tokens/s against the same batch
+   unconstrained, and per step the host's mask fill (llguidance threads) and the device's
+   masked sampling, against the step's time.
+
+    jaxkv bench structured [--model smollm2] [--batch 16] [--new-tokens 96] [--samples 2]
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+NAME = "structured"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a path")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--samples", type=int, default=2,
+                        help="replies per schema at temperature 0.8 (beside the greedy one)")
+
+
+def _prompt(name: str, schema: dict) -> list[dict]:
+    return [{"role": "user", "content": f"Reply with one JSON object for a {name}, matching "
+             f"this JSON schema:\n{json.dumps(schema)}"}]
+
+
+def _backends(model):
+    """name -> (compile(schema) -> matcher factory, fill(matcher, bitmask), consume)."""
+    from jaxkv.structured.grammar import GrammarCompiler
+    from jaxkv.structured.params import StructuredOutputsParams
+
+    cfg = model.config
+    out = {}
+    shared = GrammarCompiler(model.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    shared.tokenizer()  # built once per server: not part of a compile
+
+    def ll_compile(schema, fresh=True):
+        c = shared.fresh() if fresh else shared
+        return c.compile(StructuredOutputsParams(json=schema)).matcher
+
+    out["llguidance"] = (ll_compile, lambda m, bm: m.fill(bm, 0),
+                         lambda m, t: m.consume(t))
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return out
+    info = xgr.TokenizerInfo.from_huggingface(model.tokenizer, vocab_size=cfg.vocab_size,
+                                              stop_token_ids=list(cfg.eos_token_ids))
+    cached = xgr.GrammarCompiler(info)
+
+    def xg_compile(schema, fresh=True):
+        compiler = xgr.GrammarCompiler(info) if fresh else cached
+        grammar = compiler.compile_json_schema(json.dumps(schema))
+        return lambda: xgr.GrammarMatcher(grammar)
+
+    def xg_fill(m, bm):
+        import torch
+
+        t = torch.from_numpy(bm)
+        m.fill_next_token_bitmask(t)
+
+    out["xgrammar"] = (xg_compile, xg_fill, lambda m, t: m.accept_token(int(t)))
+    return out
+
+
+def _time(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run(args) -> dict:
+    import jsonschema
+
+    import jaxkv
+    from jaxkv.bench.common import load_model
+    from jaxkv.bench.structured_schemas import HELD_OUT
+
+    model, described = load_model(args.model)
+    llm = jaxkv.LLM(model, max_decode_steps=1)
+    so = {name: {"json": schema} for name, schema in HELD_OUT.items()}
+
+    # 2. validity (and the replies replayed in 1.)
+    valid = {}
+    replies = {}
+    for name, schema in HELD_OUT.items():
+        sps = [jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens,
+                                    structured_outputs=so[name])]
+        sps += [jaxkv.SamplingParams(temperature=0.8, seed=i, max_tokens=args.new_tokens,
+                                     structured_outputs=so[name]) for i in range(args.samples)]
+        outs = llm.chat([_prompt(name, schema)] * len(sps), sps, use_tqdm=False)
+        got = [o.outputs[0] for o in outs]
+        replies[name] = got[0].token_ids
+        ok = cut = 0
+        for c in got:
+            if c.finish_reason != "stop":
+                cut += 1
+                continue
+            try:
+                jsonschema.validate(json.loads(c.text), schema)
+                ok += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        valid[name] = (ok, len(got) - cut, cut)
+    print(f"{described}: held-out schemas, greedy + {args.samples} sampled replies each, "
+          f"max_tokens {args.new_tokens}")
+    print(f"{'schema':<16} {'valid':>7} {'ended':>6} {'cut off':>8}")
+    for name, (ok, ended, cut) in valid.items():
+        print(f"{name:<16} {ok:>7} {ended:>6} {cut:>8}")
+    total_ok = sum(v[0] for v in valid.values())
+    total_ended = sum(v[1] for v in valid.values())
+    print(f"{'all':<16} {total_ok:>7} {total_ended:>6} "
+          f"{sum(v[2] for v in valid.values()):>8}  ({total_ok}/{total_ended} of the ended "
+          "replies valid)")
+
+    # 1. backends
+    words = (model.config.vocab_size + 31) // 32
+    rows = []
+    print(f"\n{'backend':<11} {'schema':<16} {'compile ms':>10} {'cached ms':>9} "
+          f"{'mask us/token':>13}")
+    for backend, (compile_, fill, consume) in _backends(model).items():
+        for name, schema in HELD_OUT.items():
+            first = min(_time(lambda s=schema, c=compile_: c(s)) for _ in range(3))
+            compile_(schema, fresh=False)
+            again = min(_time(lambda s=schema, c=compile_: c(s, fresh=False))
+                        for _ in range(3))
+            matcher = compile_(schema, fresh=False)()
+            bm = np.zeros((1, words), np.int32)
+            fills = []
+            for t in replies[name]:
+                fills.append(_time(lambda m=matcher, b=bm, f=fill: f(m, b)))
+                if not consume(matcher, t):
+                    break
+            rows.append(dict(backend=backend, schema=name, compile_ms=1e3 * first,
+                             cached_ms=1e3 * again, mask_us=1e6 * float(np.mean(fills))))
+            print(f"{backend:<11} {name:<16} {1e3 * first:>10.2f} {1e3 * again:>9.3f} "
+                  f"{1e6 * np.mean(fills):>13.1f}")
+
+    # 3. the cost at batch B
+    cost = _cost(llm, model, HELD_OUT, so, args)
+    return {"validity": valid, "backends": rows, "cost": cost,
+            "ok": total_ok == total_ended}
+
+
+def _cost(llm, model, schemas, so, args) -> dict:
+    import jax
+
+    import jaxkv
+    import jaxkv.engine.runner as runner_module
+
+    runner = llm.engine.runner
+    names = list(schemas)
+    convs = [_prompt(names[i % len(names)], schemas[names[i % len(names)]])
+             for i in range(args.batch)]
+    free = [jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+            for _ in convs]
+    tight = [jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens,
+                                  structured_outputs=so[names[i % len(names)]])
+             for i in range(args.batch)]
+    spent = {"fill": 0.0, "sample": 0.0, "fills": 0}
+    fill, sample = runner.grammars.fill, runner_module.sample_processed
+
+    def timed_fill(rows, bitmask):
+        t = time.perf_counter()
+        fill(rows, bitmask)
+        spent["fill"] += time.perf_counter() - t
+        spent["fills"] += 1
+
+    def timed_sample(*a):
+        jax.block_until_ready(a[0])  # the step's logits first: time the sampling alone
+        t = time.perf_counter()
+        out = jax.block_until_ready(sample(*a))
+        spent["sample"] += time.perf_counter() - t
+        return out
+
+    llm.chat(convs[:2], tight[:2], use_tqdm=False)  # compiles what both runs use
+    llm.chat(convs[:2], free[:2], use_tqdm=False)
+    results = {}
+    for label, sps in (("unconstrained", free), ("constrained", tight)):
+        steps0 = runner.num_steps
+        # timed where the runner calls them (each waits for its result: serialized)
+        runner.grammars.fill, runner_module.sample_processed = timed_fill, timed_sample
+        try:
+            t = time.perf_counter()
+            outs = llm.chat(convs, sps, use_tqdm=False)
+            seconds = time.perf_counter() - t
+        finally:
+            runner.grammars.fill, runner_module.sample_processed = fill, sample
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps = runner.num_steps - steps0
+        results[label] = dict(tokens_per_s=tokens / seconds, steps=steps,
+                              step_ms=1e3 * seconds / max(steps, 1))
+    n = max(spent["fills"], 1)
+    results["fill_ms_per_step"] = 1e3 * spent["fill"] / n
+    results["sample_ms_per_step"] = 1e3 * spent["sample"] / n
+    step = results["unconstrained"]["step_ms"]
+    print(f"\nbatch {args.batch}, max_decode_steps=1, {args.new_tokens} tokens per row:")
+    for label in ("unconstrained", "constrained"):
+        r = results[label]
+        print(f"{label:<14} {r['tokens_per_s']:>8.1f} tok/s  {r['steps']:>4} steps  "
+              f"{r['step_ms']:>7.1f} ms/step")
+    print(f"mask fill (host, {args.batch} rows): {results['fill_ms_per_step']:.2f} ms/step "
+          f"({results['fill_ms_per_step'] / step:.1%} of an unconstrained step; it runs while "
+          f"the device computes the step's forward)")
+    print(f"masked sampling (device, after the step's logits): "
+          f"{results['sample_ms_per_step']:.2f} ms/step "
+          f"({results['sample_ms_per_step'] / step:.1%})")
+    return results

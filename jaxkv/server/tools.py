@@ -1,0 +1,237 @@
+"""Tool calling in chat completions (OpenAI's ``tools`` and ``tool_choice``).
+
+- ``tool_choice="none"``: the model answers in text (the tools still reach the chat template);
+- ``"required"``: the output is constrained (structured outputs) to a JSON array of one or more
+  calls ``[{"name": <a tool's name>, "parameters": <its parameters schema>}]`` (one call with
+  ``parallel_tool_calls=false``): the calls always parse and their arguments validate;
+- a named function (``{"type": "function", "function": {"name": ...}}``): the output is that
+  function's arguments, constrained to its parameters schema;
+- ``"auto"`` (the default with tools): the model answers freely and a parser finds the calls in
+  its text, in the format the model was trained on: ``hermes`` (Hermes, Qwen 2.5/3:
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), ``llama3_json`` (Llama 3.1+:
+  ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, several joined by
+  ``;``) or ``mistral`` (``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``). `jaxkv serve
+  --tool-call-parser` chooses it; otherwise it is detected from the chat template.
+
+A reply with calls has ``message.tool_calls`` (each ``{"id", "type": "function", "function":
+{"name", "arguments": <JSON text>}}``) and ``finish_reason="tool_calls"`` (``"stop"`` for a
+named function, as OpenAI answers). Streamed, text before a call streams as content; each call
+arrives as one ``delta.tool_calls`` entry once its text is complete (a named function's
+arguments stream as they are generated).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from jaxkv.server.protocol import FieldError
+from jaxkv.structured.params import StructuredOutputsParams
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+CALL_SPACE = "[ ]?"  # whitespace between a call's JSON tokens: one space at most, as calls go
+# Where a call starts in the text, per parser (llama3_json: a reply that is a JSON object).
+_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template renders, if it names one."""
+    t = chat_template or ""
+    if "<tool_call>" in t:
+        return "hermes"
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|python_tag|>" in t or "ipython" in t:
+        return "llama3_json"
+    return None
+
+
+def check_tools(tools, tool_choice, parallel) -> tuple[list[dict], str | dict]:
+    """(tools, tool_choice) checked, tool_choice defaulted ("auto" with tools, else "none");
+    FieldError naming the field."""
+    tools = tools or []
+    if not isinstance(tools, list):
+        raise FieldError("tools", "must be a list of {\"type\": \"function\", \"function\": ...}")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or \
+                not isinstance(fn, dict):
+            raise FieldError(f"tools.{i}", "must be {\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"parameters\": {...}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise FieldError(f"tools.{i}.function.name", "must be a non-empty string")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise FieldError(f"tools.{i}.function.parameters", "must be a JSON schema object")
+        names.append(fn["name"])
+    if len(set(names)) != len(names):
+        raise FieldError("tools", "two tools have the same name")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise FieldError("parallel_tool_calls", "must be a bool")
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in names:
+            raise FieldError("tool_choice", f"names no tool of tools ({', '.join(names) or 'none'}"
+                             f" given): {choice!r}")
+    elif choice not in ("none", "auto", "required"):
+        raise FieldError("tool_choice", f"must be 'none', 'auto', 'required' or "
+                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
+                         f"{choice!r}")
+    elif choice != "none" and not tools:
+        raise FieldError("tool_choice", f"{choice!r} needs tools")
+    return tools, choice
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def constraint(tools: list[dict], choice, parallel: bool | None) -> StructuredOutputsParams | None:
+    """The structured output that ``required`` or a named function imposes (None otherwise)."""
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        tool = next(t for t in tools if t["function"]["name"] == name)
+        return StructuredOutputsParams(json=_parameters(tool), whitespace_pattern=CALL_SPACE)
+    if choice != "required":
+        return None
+    call = {"anyOf": [{"type": "object", "properties": {
+        "name": {"type": "string", "enum": [t["function"]["name"]]},
+        "parameters": _parameters(t)}, "required": ["name", "parameters"],
+        "additionalProperties": False} for t in tools]}
+    schema = {"type": "array", "items": call, "minItems": 1}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema, whitespace_pattern=CALL_SPACE)
+
+
+def _call(name: str, arguments, parser: str | None = None) -> dict:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                  ensure_ascii=False)
+    # Mistral's templates refuse ids that are not 9 letters or digits
+    call_id = uuid.uuid4().hex[:9] if parser == "mistral" else \
+        f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _objects(text: str) -> list:
+    """The JSON values in ``text`` one after another (separated by whitespace or ';')."""
+    out, decoder, i = [], json.JSONDecoder(), 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
+        if i >= len(text):
+            return out
+        value, i = decoder.raw_decode(text, i)
+        out.append(value)
+
+
+def parse(parser: str, text: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a model's free text: the calls the parser finds (none if their text
+    does not parse: the reply stays text), and the text before them."""
+    try:
+        if parser == "hermes":
+            start = text.find("<tool_call>")
+            if start < 0:
+                return text, []
+            bodies = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], re.S)
+            calls = [_call(v["name"], v.get("arguments", {}))
+                     for b in bodies for v in [json.loads(b)]]
+            return text[:start] or None, calls
+        if parser == "mistral":
+            start = text.find("[TOOL_CALLS]")
+            if start < 0:
+                return text, []
+            items = [x for v in _objects(text[start + len("[TOOL_CALLS]"):])
+                     for x in (v if isinstance(v, list) else [v])]
+            calls = [_call(v["name"], v.get("arguments", {}), parser) for v in items]
+            return text[:start] or None, calls
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = [_call(v["name"], v.get("parameters", v.get("arguments", {})))
+                 for v in _objects(body)]
+        return None, calls
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return text, []
+
+
+class ToolReplies:
+    """Turns one chat request's outputs into messages and streamed deltas for its tool mode:
+    ``"none"`` (text), ``"auto"`` (``parser``), ``"required"`` or a named function."""
+
+    def __init__(self, choice, parser: str | None, parallel: bool | None = None):
+        self.mode = "named" if isinstance(choice, dict) else choice
+        self.name = choice["function"]["name"] if isinstance(choice, dict) else None
+        self.parser, self.parallel = parser, parallel
+        self._sent: dict[int, int] = {}  # choice index -> characters already streamed
+        self._named: set[int] = set()  # choices whose named call's head is streamed
+
+    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The reply message and its finish_reason, for a whole output."""
+        content, calls = self._calls(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        if finish != "stop":
+            return message, finish  # cut off ("length") or failed: said as it is
+        return message, "stop" if self.mode == "named" else "tool_calls"
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict]]:
+        if self.mode == "named":
+            return None, [_call(self.name, text, self.parser)]
+        if self.mode == "required":
+            try:
+                return None, [_call(c["name"], c["parameters"], self.parser)
+                              for c in json.loads(text)]
+            except (ValueError, KeyError, TypeError):
+                return text, []
+        if self.mode == "auto" and self.parser is not None:
+            content, calls = parse(self.parser, text)
+            return content, calls[:1] if self.parallel is False else calls
+        return text, []
+
+    def delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The delta of choice ``index`` whose text so far is ``text`` (cumulative), and its
+        finish_reason once it ends."""
+        sent = self._sent.get(index, 0)
+        if self.mode == "none" or self.mode == "auto" and self.parser is None:
+            self._sent[index] = len(text)
+            return {"content": text[sent:]}, finish
+        if self.mode == "named":  # the text is the arguments: stream them
+            self._sent[index] = len(text)
+            head = index not in self._named
+            self._named.add(index)
+            call = _call(self.name, text[sent:], self.parser) if head else \
+                {"function": {"arguments": text[sent:]}}
+            return {"tool_calls": [{"index": 0, **call}]}, \
+                None if finish is None else self.message(text, finish)[1]
+        if finish is None:  # hold back what may be (the start of) a call
+            safe = max(sent, _safe_prefix(self.parser, text) if self.mode == "auto" else sent)
+            self._sent[index] = safe
+            return {"content": text[sent:safe]}, None
+        message, reason = self.message(text, finish)
+        calls = message.get("tool_calls") or []
+        if not calls:
+            self._sent[index] = len(text)
+            return {"content": text[sent:]}, reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, reason
+
+
+def _safe_prefix(parser: str, text: str) -> int:
+    """How much of ``text`` is surely content: everything before a call's marker, or before a
+    tail that may still become one (all of it, for a reply that opens a JSON object)."""
+    head = text.lstrip()
+    if parser == "llama3_json" and head and (head.startswith("{") or head.startswith(
+            _MARKERS[parser]) or _MARKERS[parser].startswith(head)):
+        return 0
+    marker = _MARKERS[parser]
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
