@@ -29,10 +29,11 @@ to 0 (the pure roofline). Acceptance at batch 4 and 16 is taken equal to batch 1
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
+
+from jaxkv.bench.sim.step_models import StepModel
 
 NAME = "spec-roofline"
 # (method, workload) -> (k, tokens per verification): `jaxkv bench spec --model smollm2
@@ -56,33 +57,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data", default=None, help="the step-time models' JSON")
 
 
-@dataclasses.dataclass(frozen=True)
-class Roofline:
-    """One model on one chip: FLOPs and bytes of a step of T tokens over R rows reading C
-    cached tokens with A attention pairs (as `jaxkv.bench.sim.step_models.StepModel`)."""
-
-    f0: float
-    fT: float
-    fR: float
-    fA: float
-    bytes0: float
-    bT: float
-    bR: float
-    bC: float
-    peak_flops: float
-    bandwidth: float
-
-    def seconds(self, tokens: int, rows: int, ctx: int, pairs: int) -> float:
-        flops = self.f0 + self.fT * tokens + self.fR * rows + self.fA * pairs
-        nbytes = self.bytes0 + self.bT * tokens + self.bR * rows + self.bC * ctx
-        return max(flops / self.peak_flops, nbytes / self.bandwidth)
-
-    def decode(self, rows: int, ctx: int, tokens_per_row: int = 1) -> float:
-        t = rows * tokens_per_row
-        return self.seconds(t, rows, rows * ctx, t * ctx)
+def decode(model, rows: int, ctx: int, tokens_per_row: int = 1) -> float:
+    """Seconds of a step of ``tokens_per_row`` tokens on each of ``rows`` rows holding ``ctx``
+    tokens (a `StepModel` of no host round trip: `round_seconds` adds that once)."""
+    t = rows * tokens_per_row
+    return model.step_time(t, rows, rows * ctx, t * ctx)
 
 
-def models(entry: dict, shape, chip: dict | None = None) -> dict[str, Roofline]:
+def models(entry: dict, shape, chip: dict | None = None) -> dict[str, StepModel]:
     """The target of a step-time model entry and its drafts: "self" (half the layers), "int4"
     (the target's int4-g32 copy). ``chip`` (peak_flops, bandwidth) moves the entry's FLOPs to
     another chip (a draft measured as another chip's target)."""
@@ -94,16 +76,19 @@ def models(entry: dict, shape, chip: dict | None = None) -> dict[str, Roofline]:
     c0, cT, cR, l0, lT = np.linalg.lstsq(x, np.array([f for *_, f in rows]), rcond=None)[0]
     L, head = shape.num_layers, 2.0 * shape.vocab_size * shape.hidden_size
     layers = r["bytes0"] - head  # bf16 layer weights (bytes0 holds them and the LM head)
-    fields = {f.name for f in dataclasses.fields(Roofline)}
-    target = Roofline(**{k: float(v) for k, v in r.items() if k in fields})
+    r["overhead_s"] = 0.0
     half = L // 2
     kv_share = half / L
-    self_draft = dataclasses.replace(
-        target, f0=c0 + half * l0, fT=cT + half * lT, fA=target.fA * kv_share,
-        bytes0=head + layers * half / L, bT=target.bT * kv_share, bC=target.bC * kv_share)
-    # bf16 -> int4-g32 layer weights; the LM head (tied or not) int8 per row
-    int4 = dataclasses.replace(target, bytes0=layers / 2 * INT4_G32 + head / 2)
-    return {"target": target, "self": self_draft, "int4": int4}
+    drafts = {
+        "target": {},
+        "self": dict(f0=c0 + half * l0, fT=cT + half * lT, fA=r["fA"] * kv_share,
+                     bytes0=head + layers * half / L, bT=r["bT"] * kv_share,
+                     bC=r["bC"] * kv_share),
+        # bf16 -> int4-g32 layer weights; the LM head (tied or not) int8 per row
+        "int4": dict(bytes0=layers / 2 * INT4_G32 + head / 2),
+    }
+    return {name: StepModel(name, 0, 0, 0.0, 0.0, roofline={**r, **edits})
+            for name, edits in drafts.items()}
 
 
 def _acceptance(path: str | None) -> dict:
@@ -123,13 +108,14 @@ def round_seconds(draft: str | None, k: int, mean: float, rows: int, ctx: int, m
                   overhead: float) -> float:
     """Seconds of one verification round: the proposal by ``m[draft]`` (None: on the host),
     the verification, one host round trip."""
-    verify = m["target"].decode(rows, ctx, k + 1)
+    verify = decode(m["target"], rows, ctx, k + 1)
     if draft is None:
         propose = 0.0
     else:
         draft = m[draft]
         # the first draft step reads the tokens accepted last round (about `mean` per row)
-        propose = draft.decode(rows, ctx, max(1, round(mean))) + (k - 1) * draft.decode(rows, ctx)
+        propose = decode(draft, rows, ctx, max(1, round(mean))) + \
+            (k - 1) * decode(draft, rows, ctx)
     return propose + verify + overhead
 
 
@@ -160,17 +146,17 @@ def run(args) -> dict:
             for draft in (d for d in drafts if d is None or d in m):
                 name = method if draft in (None, "self", "int4") else draft
                 for b in args.batches:
-                    decode = m["target"].decode(b, args.context)
+                    step = decode(m["target"], b, args.context)
                     per_round = {o: round_seconds(draft, k, mean, b, args.context, m, o)
                                  for o in (overhead, 0.0)}
-                    speed = {o: mean * (decode + o) / per_round[o] for o in per_round}
+                    speed = {o: mean * (step + o) / per_round[o] for o in per_round}
                     rows_out.append(dict(chip=chip, target=entry["preset"], workload=workload,
                                          method=name, k=k, mean_accepted_length=mean, batch=b,
-                                         decode_ms=1e3 * decode,
+                                         decode_ms=1e3 * step,
                                          round_ms=1e3 * per_round[overhead],
                                          speedup=speed[overhead], speedup_no_overhead=speed[0.0]))
                     print(f"{chip:<5} {entry['preset']:<13} {workload:<9} {name:<9} {k:>2} "
-                          f"{mean:>5.2f} {b:>5} {1e3 * decode:>9.3f} "
+                          f"{mean:>5.2f} {b:>5} {1e3 * step:>9.3f} "
                           f"{1e3 * per_round[overhead]:>8.3f} {speed[overhead]:>7.2f}x "
                           f"{speed[0.0]:>10.2f}x")
     return {"rows": rows_out, "overhead_s": {c: raw[c]["roofline"]["overhead_s"] for c in chips}}

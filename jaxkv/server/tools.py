@@ -167,7 +167,6 @@ class ToolReplies:
         self.name = choice["function"]["name"] if isinstance(choice, dict) else None
         self.parser, self.parallel = parser, parallel
         self._sent: dict[int, int] = {}  # choice index -> characters already streamed
-        self._named: set[int] = set()  # choices whose named call's head is streamed
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The reply message and its finish_reason, for a whole output."""
@@ -201,9 +200,8 @@ class ToolReplies:
             self._sent[index] = len(text)
             return {"content": text[sent:]}, finish
         if self.mode == "named":  # the text is the arguments: stream them
+            head = index not in self._sent  # its first delta names the call
             self._sent[index] = len(text)
-            head = index not in self._named
-            self._named.add(index)
             call = _call(self.name, text[sent:], self.parser) if head else \
                 {"function": {"arguments": text[sent:]}}
             return {"tool_calls": [{"index": 0, **call}]}, \

@@ -65,9 +65,6 @@ class Matcher:
     def error(self) -> str | None:
         return self.ll.get_error() if self.ll.is_error() else None
 
-    def copy(self) -> Matcher:
-        return Matcher(self.ll.deep_copy())
-
 
 class Grammar:
     """A compiled grammar: `matcher` starts a sample stream on it."""
