@@ -65,7 +65,9 @@ def test_llm_warms_up_by_default_so_its_first_calls_compile_nothing(tiny_model, 
                                      use_tqdm=False)[0] for _ in range(2))
     assert calls.count == 0
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    cold = jaxkv.LLM(tiny_model, **dict(shape, num_pages=40), warmup=False)  # a new pool shape
+    # a pool shape no other test compiles (40 pages is test_speculative.py's SHAPE, which
+    # tests in the same process may have compiled)
+    cold = jaxkv.LLM(tiny_model, **dict(shape, num_pages=37), warmup=False)
     with count_compiles() as calls:
         cold.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)
     assert calls.count > 0
