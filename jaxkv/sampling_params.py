@@ -60,8 +60,10 @@ class SamplingParams:
     ``structured_outputs`` (`jaxkv.StructuredOutputsParams`, or a dict of its fields: ``json``,
     ``regex``, ``choice``, ``grammar``, ``json_object``) constrains the output: at every step
     the tokens its grammar does not allow next are masked on device, after the processors
-    above. It decodes like a request with processors; a grammar that is complete allows
-    only EOS, so the output ends there (at ``max_tokens`` first: cut off, "length").
+    above. It decodes one step per host round trip; with n-gram speculation it speculates,
+    each draft position masked by the grammar's state after the drafts before it. A grammar
+    that is complete allows only EOS, so the output ends there (at ``max_tokens`` first: cut
+    off, "length").
 
     ``speculate=False`` opts a request out of the engine's speculative decoding
     (``speculative_config``); speculation never changes what a request samples from.
@@ -248,10 +250,14 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """It uses a logits processor (penalties, logit_bias, allowed ids, bad words) or a
-        structured output's mask."""
-        return bool(self.structured_outputs is not None or self.repetition_penalty != 1
-                    or self.frequency_penalty or self.presence_penalty or self.logit_bias
+        """It uses a logits processor (`uses_processors`) or a structured output's mask."""
+        return self.structured_outputs is not None or self.uses_processors
+
+    @property
+    def uses_processors(self) -> bool:
+        """It uses a logits processor: penalties, logit_bias, allowed ids, bad words."""
+        return bool(self.repetition_penalty != 1 or self.frequency_penalty
+                    or self.presence_penalty or self.logit_bias
                     or self.allowed_token_ids is not None or self.bad_words)
 
     @property

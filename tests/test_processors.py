@@ -82,7 +82,7 @@ def test_many_entries_take_a_wider_bucket():
     sp = SamplingParams(repetition_penalty=2.0)
     hist = list(range(300))
     p = build_processors([(0, hist, 100, sp, [], None)], 2)
-    assert p.ids.shape == (2, 512)
+    assert p.ids.shape == (1, 512) and p.mask.shape == (1, 0)  # one row edited, no grammar
     logits = np.full((2, 400), 3.0, np.float32)
     got = np.asarray(apply_processors(logits, p))
     np.testing.assert_allclose(got[0], np.where(np.arange(400) < 300, 1.5, 3.0), rtol=0,
@@ -159,15 +159,21 @@ def test_logit_bias_takes_json_keys_and_numpy_ids():
         sp.logit_bias[5] = 100.0
 
 
-def test_rows_without_processors_keep_their_tokens():
-    logits = np.random.default_rng(2).standard_normal((3, 50)).astype(np.float32)
-    procs = build_processors([(1, [4, 4, 9], 1, SamplingParams(repetition_penalty=3.0), [], None)],
-                             3)
-    keys = np.zeros((3, 2), np.uint32)
-    greedy = SamplingArrays.greedy(3)
-    got = np.asarray(sample_processed(logits, keys, greedy, procs, np.array([7, 7, 7])))
-    want = _dense(logits[1], [4, 4, 9], 1, SamplingParams(repetition_penalty=3.0)).argmax()
-    assert got[0] == got[2] == 7 and got[1] == want
+@pytest.mark.parametrize("edited", [[1], [1, 4, 7, 10, 19]], ids=["one", "five"])
+def test_rows_without_processors_keep_their_tokens(edited):
+    """Only the edited rows (gathered into a bucket of 1 or 16, the padding dropped) are drawn
+    again; the others keep the step's tokens."""
+    b = 20
+    logits = np.random.default_rng(2).standard_normal((b, 50)).astype(np.float32)
+    sp = SamplingParams(repetition_penalty=3.0)
+    procs = build_processors([(i, [4, 4, 9 + i], 1, sp, [], None) for i in edited], b)
+    assert procs.rows.shape == (1 if len(edited) == 1 else 16,)
+    keys = np.zeros((b, 2), np.uint32)
+    got = np.asarray(sample_processed(logits, keys, SamplingArrays.greedy(b), procs,
+                                      np.full(b, 7)))
+    for i in range(b):
+        want = _dense(logits[i], [4, 4, 9 + i], 1, sp).argmax() if i in edited else 7
+        assert got[i] == want, i
 
 
 # ---- the engine against transformers ----------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from sampling_ref import filtered_distribution
 
 from jaxkv import SamplingParams
-from jaxkv.runtime.sampling import SamplingArrays, request_key, sample
+from jaxkv.runtime.sampling import CDF_BLOCK, SamplingArrays, argmax, request_key, sample
 
 
 def _keys(n, seed=0):
@@ -28,6 +28,23 @@ def test_greedy_is_argmax():
     arrays = SamplingArrays.build([0.0] * 5, [0] * 5, [1.0] * 5, [0] * 5, 5)
     np.testing.assert_array_equal(np.asarray(sample(logits, _keys(5), arrays)),
                                   logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [7, CDF_BLOCK, 3 * CDF_BLOCK, 3 * CDF_BLOCK + 5, 49152 + 17])
+def test_blockwise_argmax_is_numpys_first_largest_entry(vocab):
+    """The block argmax (greedy sampling's) against numpy: random rows, ties across and within
+    blocks (the first one wins), a maximum in the last partial block, all -inf."""
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((8, vocab)).astype(np.float32)
+    x[1, [vocab // 3, vocab - 1]] = 9.0  # a tie between blocks: the first
+    x[2, :] = 1.0  # every entry tied: entry 0
+    x[3, vocab - 1] = 9.0  # the last entry (in the partial block when there is one)
+    x[4, :] = -np.inf
+    x[5, [vocab // 2, vocab - 1]] = np.inf
+    x[6, [0, vocab // 2]] = 9.0
+    x[7] = rng.integers(0, 3, vocab).astype(np.float32)  # many ties within blocks
+    want = np.argmax(x, axis=-1)
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), want)
 
 
 def test_temperature_matches_softmax_frequencies():

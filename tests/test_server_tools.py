@@ -10,7 +10,7 @@ import pytest
 from serving import MODEL, Server
 
 import jaxkv
-from jaxkv.server.tools import detect_parser, parse
+from jaxkv.server.tools import ToolReplies, detect_parser, parse
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "pattern": "^[A-Za-z]{2,12}$"},
@@ -137,3 +137,47 @@ def test_parsers_read_their_formats():
     assert detect_parser("[TOOL_CALLS] {{ x }}") == "mistral"
     assert detect_parser("<|python_tag|>") == "llama3_json"
     assert detect_parser("{{ messages }}") is None
+
+
+STREAMED = [  # (tool_choice, parser, reply text)
+    ("auto", "hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                       '{"city": "Pa}ris", "unit": "c"}}\n</tool_call>\n<tool_call>{"name": '
+                       '"add", "arguments": {"a": 1, "b": [2, {"c": "d"}]}}</tool_call>'),
+    ("auto", "llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 5, "b": 7}}; '
+                            '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ("auto", "mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                        '{"name": "get_weather", "arguments": {"city": "R\\"x"}}]'),
+    ("required", None, '[{"name": "get_weather", "parameters": {"city": "Lima", "unit": "f"}}]'),
+    ("auto", "hermes", "No call here, only {braces} and <tool_ words."),
+    ("auto", "hermes", "<tool_call>not a call after all"),
+]
+
+
+@pytest.mark.parametrize("choice, parser, text", STREAMED)
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_calls_stream_as_they_are_written_and_add_up_to_the_whole_reply(choice, parser, text,
+                                                                         step):
+    """The text fed a few characters at a time: the deltas assemble into the whole reply's
+    content and calls, and each call's arguments arrive in pieces before the reply ends."""
+    whole, reason = ToolReplies(choice, parser).message(text, "stop")
+    replies = ToolReplies(choice, parser)
+    content, calls, pieces, finish = "", {}, {}, None
+    ends = list(range(step, len(text), step)) + [len(text)]
+    for end in ends:
+        delta, finish = replies.delta(0, text[:end], "stop" if end == len(text) else None)
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls", []):
+            name, args = calls.get(tc["index"], ("", ""))
+            fn = tc["function"]
+            calls[tc["index"]] = (name + fn.get("name", ""), args + fn.get("arguments", ""))
+            if end < len(text) and fn.get("arguments"):
+                pieces[tc["index"]] = pieces.get(tc["index"], 0) + 1
+    assert finish == reason
+    assert (content or None) == whole["content"]
+    want = [(c["function"]["name"], c["function"]["arguments"])
+            for c in whole.get("tool_calls") or []]
+    assert [calls[i] for i in sorted(calls)] == want
+    for _, args in want:
+        json.loads(args)  # the arguments as written, valid JSON
+    if want and step == 1:
+        assert all(pieces.get(i, 0) > 3 for i in range(len(want)))  # streamed as written

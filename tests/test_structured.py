@@ -230,22 +230,122 @@ def test_disaggregated_serving_masks_the_first_token_and_the_rest(model):
     assert all(valid(out.outputs[0].text) for out in done.values())
 
 
-def test_constrained_requests_do_not_speculate_and_stay_valid(model):
-    """With n-gram speculation on, a constrained request decodes without drafts (its mask
-    depends on every token) and still matches; an unconstrained neighbour speculates."""
-    engine = Engine(model, **SHAPE, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
-        "min_draft_tokens": 1})
+REPEATS = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\n"
+PAIRS = r"(x = [0-9]\ny = [0-9]\n){2,8}"
+
+
+def _pairs_run(model, temperature, spec=None):
+    """A constrained request and an unconstrained neighbour on a prompt that repeats itself
+    (n-gram drafts find it): {id: (text, drafted, accepted)}."""
+    engine = Engine(model, **SHAPE, **({} if spec is None else {"speculative_config": spec}))
+    engine.add_request("c", prompt=REPEATS, sampling_params=SamplingParams(
+        temperature=temperature, seed=1, max_tokens=60, structured_outputs={"regex": PAIRS}))
+    engine.add_request("u", prompt=REPEATS, sampling_params=SamplingParams(
+        temperature=temperature, seed=2, max_tokens=40, ignore_eos=True))
+    return {k: (o.outputs[0].text, o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens)
+            for k, o in drive(engine).items()}
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+         "min_draft_tokens": 1}
+
+
+def test_constrained_requests_speculate_with_ngram_drafts_masked_per_position(model):
+    """n-gram speculation of a constrained request: drafts cut at the first token the grammar
+    refuses, every verified position masked by the grammar after the drafts before it. Greedy,
+    the outputs are those of the engine without speculation, and drafts were accepted; at
+    temperature 1 the output still matches."""
+    plain = _pairs_run(model, 0)
+    spec = _pairs_run(model, 0, NGRAM)
+    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
+    assert re.fullmatch(r"(x = [0-9]\ny = [0-9]\n)+(x = [0-9]\n)?", spec["c"][0])  # cut off
+    assert spec["c"][1] > 0 and spec["c"][2] > 0  # it drafted, and drafts were accepted
+    sampled = _pairs_run(model, 1.0, NGRAM)
+    assert re.fullmatch(PAIRS, sampled["c"][0]) and sampled["c"][1] > 0
+
+
+def test_ngram_drafts_of_a_constrained_request_end_before_the_first_refused_token(model):
+    """The proposal itself: the n-gram continuation is cut where the grammar would refuse a
+    token (verifying past it would waste the positions)."""
+    from types import SimpleNamespace
+
+    from jaxkv.config import SpeculativeConfig
+    from jaxkv.engine.speculation import Speculator
+
+    tok, c = model.tokenizer, model.config
+    grammar = grammars_for(tok, c.vocab_size, c.eos_token_ids).compile(
+        StructuredOutputsParams(regex=r"(x = [0-9]\n)+"))
+    # the output so far "x", and in the prompt "x = 3; ": n-gram drafts " = 3; "
+    prompt = tok.encode("y = 0\nx = 3; ")
+    output = tok.encode("x")
+    matcher = grammar.matcher()
+    for t in output:
+        assert matcher.consume(t)
+    req = SimpleNamespace(token_ids=prompt + output, num_output_tokens=len(output),
+                          sampling_params=SamplingParams(max_tokens=50), grammar=None)
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                        prompt_lookup_min=1, prompt_lookup_max=1))
+    free = spec.propose(req, room=8)
+    req.grammar = matcher
+    cut = spec.propose(req, room=8)
+    assert tok.decode(free).startswith(" = 3;")
+    assert tok.decode(cut) == " = 3" and free[:len(cut)] == cut
+
+
+def test_with_drafts_from_the_device_a_constrained_request_is_masked_in_the_spec_step(model):
+    """self-speculation: the drafts appear on the device, so a constrained request drafts
+    nothing, but it shares the neighbour's spec steps, which mask its token: the outputs are
+    those without speculation."""
+    plain = _pairs_run(model, 0)
+    spec = _pairs_run(model, 0, {"method": "self", "num_speculative_tokens": 3,
+                                 "disable_by_batch_size": None})
+    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
+    assert spec["c"][1] == 0 and spec["u"][1] > 0
+
+
+def test_the_masks_of_draft_positions_equal_consuming_the_drafts_one_by_one(model):
+    """`GrammarCompiler.fill_with_drafts` against llguidance stepped by hand: the mask at
+    position j is the grammar's after the first j drafts; the matcher's state is kept."""
+    c = model.config
+    compiler = grammars_for(model.tokenizer, c.vocab_size, c.eos_token_ids)
+    grammar = compiler.compile(StructuredOutputsParams(json=SCHEMA))
+    drafts = model.tokenizer.encode('{"name": "ab", "count": 3')
+    words = (c.vocab_size + 31) // 32
+    want = np.zeros((len(drafts) + 1, words), np.int32)
+    stepped = grammar.matcher()
+    for j, t in enumerate(drafts):
+        stepped.fill(want, j)
+        assert stepped.consume(t)
+    stepped.fill(want, len(drafts))
+    m, other = grammar.matcher(), grammar.matcher()
+    got = np.zeros((len(drafts) + 3, words), np.int32)
+    compiler.fill_with_drafts([(m, 2, drafts), (other, 0, [])], got)
+    np.testing.assert_array_equal(got[2:], want)
+    np.testing.assert_array_equal(got[0], want[0])  # no drafts: the mask from the start
+    assert not got[1].any()
+    assert m.valid_prefix(drafts) == len(drafts)  # unchanged: all of them still fit
+    assert m.valid_prefix(drafts[:3] + drafts[:1]) == 3
+
+
+def test_after_warmup_constrained_batches_compile_nothing(model):
+    """Warmup compiles the masked draw for every row bucket: batches of 1 to 6 constrained
+    rows (buckets 1, 4, 6) beside unconstrained ones then compile nothing."""
+    from jaxkv.runtime.compiles import count_compiles
+
+    engine = Engine(model, **SHAPE)
+    assert ("sample_masked", 6) in engine.programs()
+    engine.warmup()
     so, valid = CASES["regex"]
-    loop = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\n"
-    engine.add_request("c", prompt=loop, sampling_params=SamplingParams(
-        temperature=0, max_tokens=40, structured_outputs=so))
-    engine.add_request("u", prompt=loop, sampling_params=SamplingParams(
-        temperature=0, max_tokens=40, ignore_eos=True))
-    done = drive(engine)
-    assert valid(done["c"].outputs[0].text)
-    assert done["c"].metrics.num_draft_tokens == 0
-    assert done["u"].metrics.num_draft_tokens > 0
+    with count_compiles() as compiles:
+        for n in (1, 3, 6):
+            for i in range(n):
+                engine.add_request(f"{n}-{i}", prompt="def f(x):\n    return", sampling_params=(
+                    SamplingParams(temperature=float(i % 2), seed=i, max_tokens=30,
+                                   structured_outputs=so if i < n - 1 or n == 1 else None)))
+            done = drive(engine)
+            assert all(valid(o.outputs[0].text) for k, o in done.items() if k != f"{n}-{n - 1}"
+                       or n == 1)
+    assert compiles.count == 0
 
 
 def test_constrained_outputs_over_int8_kv_with_logprobs(model):

@@ -11,6 +11,12 @@ backend, against xgrammar), and what the mask costs a decode step.
    constrained row decodes one step per host round trip): tokens/s against the same batch
    unconstrained, and per step the host's mask fill (llguidance threads) and the device's
    masked sampling, against the step's time.
+   Then the price a constrained row makes its batch pay with `LLM(model)` defaults (where a
+   CPU decodes unconstrained batches in loops of 8 steps on device): ``--batch`` rows without
+   a constraint, against one of them constrained for all its tokens (a letters-only regex).
+4. Speculation: extraction prompts (a record whose fields are asked for as JSON, so the
+   reply copies from the prompt), one at a time, greedy, with `LLM(model)` defaults and with
+   n-gram speculation: tokens/s, drafts accepted, and whether the replies are the same.
 
     jaxkv bench structured [--model smollm2] [--batch 16] [--new-tokens 96] [--samples 2]
 """
@@ -152,8 +158,94 @@ def run(args) -> dict:
 
     # 3. the cost at batch B
     cost = _cost(llm, model, HELD_OUT, so, args)
-    return {"validity": valid, "backends": rows, "cost": cost,
-            "ok": total_ok == total_ended}
+    cost["mixed"] = _mixed(model, convs_for(HELD_OUT, args.batch), args)
+    # 4. n-gram speculation of constrained replies
+    spec = _speculation(model, args)
+    return {"validity": valid, "backends": rows, "cost": cost, "speculation": spec,
+            "ok": total_ok == total_ended and spec["same"]}
+
+
+def convs_for(schemas, batch: int) -> list:
+    names = list(schemas)
+    return [_prompt(names[i % len(names)], schemas[names[i % len(names)]])
+            for i in range(batch)]
+
+
+def _mixed(model, convs, args) -> dict:
+    """Tokens/s of a batch with LLM defaults, unconstrained, and with its first row held to a
+    regex it cannot finish in --new-tokens (so it is constrained throughout)."""
+    import jaxkv
+
+    llm = jaxkv.LLM(model)
+    free = jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    held = jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens,
+                                structured_outputs={"regex": "[a-z ]{1000}"})
+    llm.chat(convs[:2], [held, free], use_tqdm=False)  # first use: compiles
+    got = {}
+    for label, sps in (("none constrained", [free] * len(convs)),
+                       ("one constrained", [held] + [free] * (len(convs) - 1))):
+        t = time.perf_counter()
+        outs = llm.chat(convs, sps, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        got[label] = dict(tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outs) / seconds,
+                          cut_off=outs[0].outputs[0].finish_reason == "length")
+    print(f"\nbatch {len(convs)}, LLM(model) defaults (decode loops of "
+          f"{llm.engine.runner.steps.max_decode_steps} steps when no row is constrained):")
+    for label, g in got.items():
+        print(f"{label:<17} {g['tokens_per_s']:>8.1f} tok/s")
+    return got
+
+
+def _speculation(model, args) -> dict:
+    import jsonschema
+
+    import jaxkv
+    from jaxkv.bench.structured_schemas import EXTRACTION_RECORDS, EXTRACTION_SCHEMA
+
+    sp = jaxkv.SamplingParams(temperature=0, max_tokens=2 * args.new_tokens,
+                              structured_outputs={"json": EXTRACTION_SCHEMA})
+    schema = json.dumps(EXTRACTION_SCHEMA)
+    convs = [[{"role": "user", "content": f"Extract the order as JSON ({schema}):\n{record}"}]
+             for record in EXTRACTION_RECORDS]
+    got = {}
+    for label, spec in (("off", None), ("ngram", {"method": "ngram"})):
+        llm = jaxkv.LLM(model, speculative_config=spec)
+        llm.chat(convs[:1], sp, use_tqdm=False)  # first use: the masked programs compile
+        seconds, outs = 0.0, []
+        for conv in convs:  # one at a time (batch 1)
+            t = time.perf_counter()
+            outs += llm.chat([conv], sp, use_tqdm=False)
+            seconds += time.perf_counter() - t
+        done = [o.outputs[0] for o in outs]
+        valid = ended = 0
+        for c in done:
+            if c.finish_reason != "stop":  # cut off at max_tokens
+                continue
+            ended += 1
+            try:
+                jsonschema.validate(json.loads(c.text), EXTRACTION_SCHEMA)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        got[label] = dict(tokens=sum(len(c.token_ids) for c in done), seconds=seconds,
+                          texts=[c.text for c in done], valid=valid, ended=ended,
+                          drafted=sum(o.metrics.num_draft_tokens for o in outs),
+                          accepted=sum(o.metrics.num_accepted_tokens for o in outs))
+        del llm
+    same = got["off"]["texts"] == got["ngram"]["texts"]
+    print(f"\nextraction, {len(convs)} records one at a time, greedy, json schema, "
+          "LLM(model) defaults:")
+    print(f"{'speculation':<12} {'tokens':>6} {'tok/s':>7} {'speedup':>7} {'accepted':>12} "
+          f"{'valid/ended':>11}")
+    base = got["off"]["tokens"] / got["off"]["seconds"]
+    for label, g in got.items():
+        rate = g["tokens"] / g["seconds"]
+        acc = f"{g['accepted']}/{g['drafted']}" if g["drafted"] else "-"
+        print(f"{label:<12} {g['tokens']:>6} {rate:>7.1f} {rate / base:>6.2f}x {acc:>12} "
+              f"{g['valid']:>9}/{g['ended']}")
+    print(f"replies the same with and without speculation: {same}")
+    return dict(same=same, **{k: {x: v for x, v in g.items() if x != "texts"}
+                              for k, g in got.items()})
 
 
 def _cost(llm, model, schemas, so, args) -> dict:
@@ -164,8 +256,7 @@ def _cost(llm, model, schemas, so, args) -> dict:
 
     runner = llm.engine.runner
     names = list(schemas)
-    convs = [_prompt(names[i % len(names)], schemas[names[i % len(names)]])
-             for i in range(args.batch)]
+    convs = convs_for(schemas, args.batch)
     free = [jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
             for _ in convs]
     tight = [jaxkv.SamplingParams(temperature=0, max_tokens=args.new_tokens,

@@ -100,3 +100,31 @@ HELD_OUT = {
         "additionalProperties": False,
     },
 }
+
+# Extraction: a record in the prompt, its fields asked for as JSON. The values are copied from
+# the prompt, which is where n-gram speculation finds its drafts.
+EXTRACTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer": {"type": "string", "maxLength": 40},
+        "email": {"type": "string", "maxLength": 60},
+        "city": {"type": "string", "maxLength": 30},
+        "items": {"type": "array", "maxItems": 4, "items": {
+            "type": "object",
+            "properties": {"product": {"type": "string", "maxLength": 50},
+                           "quantity": {"type": "integer", "minimum": 1, "maximum": 99}},
+            "required": ["product", "quantity"], "additionalProperties": False}},
+    },
+    "required": ["customer", "email", "city", "items"],
+    "additionalProperties": False,
+}
+EXTRACTION_RECORDS = [
+    "Order 5531 was placed by Marguerite Okonkwo-Baptiste (marguerite.okonkwo@example.org), "
+    "shipping to Villeneuve-sur-Lot. She ordered 3 x Stainless steel pour-over kettle and "
+    "2 x Unbleached paper filters, pack of 100.",
+    "Customer Tobias Lindqvist-Hargreave, email tobias.lindqvist@example.net, lives in "
+    "Kristiansand. The basket holds 1 x Ergonomic split keyboard with brown switches, "
+    "4 x USB-C braided cable, two metres, and 1 x Aluminium laptop stand.",
+    "Ship to Ponta Delgada for Inês Vasconcelos-Amaral (ines.vasconcelos@example.com): "
+    "6 x Organic green tea sencha, 50 g tin, and 2 x Cast iron teapot with infuser.",
+]

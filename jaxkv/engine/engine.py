@@ -386,12 +386,12 @@ class Engine:
 
     def programs(self) -> list[tuple[str, int]]:
         """Every program serving can run: ("step", T tokens), ("decode_loop", R rows),
-        ("copy_pages", N), ("sample", B), ("logprobs", B), ("fill_pages", N) with
-        debug_nan_freed_pages, ("host_save", N) / ("host_load", N) with a host tier, and with
-        speculative decoding ("verify", (T, R)) (a spec step's gather and verification per
-        token and row bucket, its spec step per row bucket), ("draft", R) for drafts from
-        the device. Not listed: the small programs that requests with ``prompt_logprobs``
-        (one per token bucket) or logits processors (one per entry bucket) compile first."""
+        ("copy_pages", N), ("sample", B), ("logprobs", B), ("sample_masked", R) (structured
+        outputs), ("fill_pages", N) (debug_nan_freed_pages), ("host_save" | "host_load", N)
+        (host tier), with speculative decoding ("verify", (T, R)) (gather and verification
+        per token and row bucket, spec step per row bucket) and ("draft", R). Not listed: the
+        small programs of ``prompt_logprobs``, logits processors (per row and entry bucket)
+        and speculating grammars, compiled on first use."""
         return self.runner.programs()
 
     def warmup(self) -> int:

@@ -256,6 +256,7 @@ class ModelRunner:
         self.num_steps += 1
         verified = spec_runner.dispatch_verify(self, spec, batch, hidden, drafts) \
             if spec else None
+        verifying = {r.slot for r in spec}
         drawn = [tokens]  # [sample][slot]: a forking row's samples 1..n-1 use the same logits
         for k in range(max((len(r.samples) for r in rows), default=0)):
             seqs = [(r.slot, r.samples[k]) for r in rows if len(r.samples) > k]
@@ -263,7 +264,8 @@ class ModelRunner:
                 keys, arrays = self.sampling(seqs)
                 drawn.append(sample(logits, keys, arrays))
             edits = [(i, q.token_ids, q.num_prompt_tokens, q.sampling_params, q.bad_words_ids,
-                      q.grammar) for i, q in seqs if has_processors(q.sampling_params)]
+                      q.grammar) for i, q in seqs if has_processors(q.sampling_params)
+                     and i not in verifying]  # (a speculating row's verification masks it)
             if edits:  # their rows draw again, from processed logits; the others keep theirs
                 # (built while the device runs the step: a grammar's mask on host threads)
                 procs = build_processors(edits, self.max_num_seqs, self.grammars)

@@ -5,7 +5,10 @@ part, `jaxkv.runtime.spec_verify` the rule).
 
 A step with speculating rows runs as any ragged step (each such row holds its pending token and
 its drafts), then one ``verify`` program per row bucket turns those rows' hidden states into the
-target's logits at every position and accepts or draws. With ``self``, a draft program (a decode
+target's logits at every position and accepts or draws. A row with a grammar (structured
+outputs, n-gram drafts) has its mask at every position, filled on the host before the
+program is dispatched; with such rows the verification is a second program per row bucket,
+compiled on first use. With ``self``, a draft program (a decode
 loop of the first layers, greedy) runs first on the same rows and pages, and its tokens are
 written into the step's token array on device: nothing goes back to the host in between.
 ``draft_model`` does the same with a second model over its own pool (`DraftModel`).
@@ -27,6 +30,7 @@ from jaxkv.runtime.sampling import MAX_BANNED, token_logprobs
 from jaxkv.runtime.steps import DecodeLoopBatch, take_rows
 from jaxkv.sampling_params import MAX_LOGPROBS
 from jaxkv.sharding import commit
+from jaxkv.structured.grammar import bitmask_words
 
 
 def draft_program(config, model_config) -> tuple[int, int] | None:
@@ -125,9 +129,27 @@ class Verified:
         return out
 
 
+def _masks(runner, rows, r: int):
+    """The grammar masks of ``rows`` (in a bucket of r) per position, as `steps._verify`
+    takes them, filled on llguidance's threads: position j of a row allows what its grammar
+    allows after its first j drafts. None when no row has a grammar."""
+    grammar = [(i, row) for i, row in enumerate(rows) if row.request.grammar is not None]
+    if not grammar:
+        return None
+    k1 = runner.spec_k + 1
+    words = np.zeros((r * k1, bitmask_words(runner.grammars.vocab_size)), np.int32)
+    masked = np.zeros((r, k1), bool)
+    runner.grammars.fill_with_drafts(
+        [(row.request.grammar, i * k1, row.tokens[1:]) for i, row in grammar], words)
+    for i, row in grammar:
+        masked[i, :row.num_draft + 1] = True
+    return words.reshape(r, k1, -1), masked
+
+
 def _inputs(runner, rows, cu_q_lens):
     """Verification inputs of ``rows`` in a row bucket: (positions in the step i32[R, K + 1],
-    drafts i32[R, K], num_draft i32[R], keys, SamplingArrays, banned ids per position)."""
+    drafts i32[R, K], num_draft i32[R], keys, SamplingArrays, banned ids per position, grammar
+    masks per position or None)."""
     k = runner.spec_k
     r = fit(len(rows), runner.row_buckets)
     idx = np.zeros((r, k + 1), np.int32)
@@ -144,7 +166,7 @@ def _inputs(runner, rows, cu_q_lens):
             ids = seq.sampling_params.banned_ids(seq.num_output_tokens + j, eos)
             banned[i, j, :len(ids)] = ids
     keys, arrays = runner.sampling([(i, row.request) for i, row in enumerate(rows)], rows=r)
-    return idx, draft, num, keys, arrays, banned
+    return idx, draft, num, keys, arrays, banned, _masks(runner, rows, r)
 
 
 def _logprobs(rows, tokens, logits):
@@ -156,20 +178,21 @@ def _logprobs(rows, tokens, logits):
 def dispatch_verify(runner, rows, batch: StepBatch, hidden, drafts=None) -> Verified:
     """Dispatches the verification of the speculating ``rows`` of a step over ``batch``
     (``drafts``: the device's, for self-speculation; else the rows' own)."""
-    idx, draft, num, keys, arrays, banned = _inputs(runner, rows, batch.cu_q_lens)
+    idx, draft, num, keys, arrays, banned, mask = _inputs(runner, rows, batch.cu_q_lens)
     tokens, logits = runner.steps.verify(runner.model.params, take_rows(hidden, idx),
                                          draft if drafts is None else drafts, num, keys,
-                                         arrays, banned)
+                                         arrays, banned, mask)
     return Verified(list(rows), tokens, _logprobs(rows, tokens, logits), runner.draft_model)
 
 
 def decodes_only(rows) -> bool:
     """Whether a step's rows are all one-sample decodes (some with drafts) that a spec step
-    runs: no prefill chunk, fork, logits processor or prompt logprobs."""
+    runs: no prefill chunk, fork, logits processor or prompt logprobs (a grammar's mask it
+    applies itself)."""
     return any(r.num_draft for r in rows) and all(
         len(r.tokens) == 1 + r.num_draft and r.samples == (r.request,)
-        and not r.request.sampling_params.edits_logits and not r.request.needs_prompt_logits
-        for r in rows)
+        and not r.request.sampling_params.uses_processors
+        and not r.request.needs_prompt_logits for r in rows)
 
 
 def spec_tokens(runner, rows: int) -> int:
@@ -189,10 +212,10 @@ def launch_spec_step(runner, rows, version):
     drafts = None
     if runner.drafts_on_device:
         batch, drafts = draft_on_device(runner, rows, batch)
-    idx, draft, num, keys, arrays, banned = _inputs(runner, rows, batch.cu_q_lens)
+    idx, draft, num, keys, arrays, banned, mask = _inputs(runner, rows, batch.cu_q_lens)
     tokens, logits, runner.state = runner.steps.spec_step(
         runner.model.params, runner.state, batch, idx, draft if drafts is None else drafts,
-        num, keys, arrays, banned)
+        num, keys, arrays, banned, mask)
     runner.num_steps += 1
     verified = Verified(list(rows), tokens, _logprobs(rows, tokens, logits), runner.draft_model)
     tokenizer = runner.model.tokenizer
@@ -226,7 +249,8 @@ def _warm_spec_step(runner, r: int, drafts) -> None:
     keys, arrays = runner.sampling([], rows=r)
     tokens, logits, runner.state = runner.steps.spec_step(
         runner.model.params, runner.state, batch, np.zeros((r, k1), np.int32), drafts,
-        np.zeros(r, np.int32), keys, arrays, np.full((r, k1, MAX_BANNED), -1, np.int32))
+        np.zeros(r, np.int32), keys, arrays, np.full((r, k1, MAX_BANNED), -1, np.int32),
+        None)  # (no grammar row: as serving passes it)
     token_logprobs(logits, jnp.maximum(tokens, 0).reshape(-1), MAX_LOGPROBS)
 
 
@@ -248,5 +272,5 @@ def _warm_verify_rows(runner, r: int, drafts) -> None:
     keys, arrays = runner.sampling([], rows=r)
     tokens, logits = runner.steps.verify(
         runner.model.params, hidden, drafts, np.zeros(r, np.int32), keys, arrays,
-        np.full((r, k1, MAX_BANNED), -1, np.int32))
+        np.full((r, k1, MAX_BANNED), -1, np.int32), None)
     token_logprobs(logits, jnp.maximum(tokens, 0).reshape(-1), MAX_LOGPROBS)

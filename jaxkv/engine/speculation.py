@@ -20,10 +20,17 @@ Proposers:
   pool under the same page ids (`jaxkv.engine.draft_model`).
 
 Who speculates: a decoding sequence (its prompt computed: the pending token is an output
-token) with one sample stream, no logits
-processor, no prompt logprobs and ``SamplingParams.speculate``; in a step with at most
-``disable_by_batch_size`` running sequences; and until its acceptance rate is judged too low
+token) with one sample stream, no logits processor, no prompt logprobs and
+``SamplingParams.speculate``; in a step with at most ``disable_by_batch_size`` running
+sequences; and until its acceptance rate is judged too low
 (`SpeculativeConfig.min_acceptance_rate` after ``JUDGE_AFTER`` x k drafted tokens).
+
+Structured outputs speculate with ``ngram``: the drafts are cut before the first token the
+grammar would not take, and the verification masks each position with the grammar's state
+after the drafts before it (`jaxkv.engine.spec_runner`), so every emitted token is one the
+grammar allows and the target samples from the masked distribution. With ``self`` and
+``draft_model`` the drafts appear on the device, after the masks would be needed, so a
+constrained sequence decodes without drafts (its step masks it as any other).
 """
 
 from __future__ import annotations
@@ -75,13 +82,14 @@ class Speculator:
         """Whether ``req`` (a running sequence) may speculate."""
         sp = req.sampling_params
         return (self.config is not None and req.speculating and sp.speculate
-                and not sp.edits_logits and not req.forks and not req.needs_prompt_logits
+                and not sp.uses_processors and not req.forks and not req.needs_prompt_logits
+                and (req.grammar is None or not self.on_device)
                 and req.num_pending_tokens == 1 and req.num_computed_tokens >= req.prefill_end)
 
     def propose(self, req, room: int) -> tuple[int, ...]:
         """Draft tokens for ``req`` (an `eligible` one)'s next step, at most ``room`` (its
-        share of the budget) and fewer than its output tokens left; for ``self``,
-        placeholders the device fills."""
+        share of the budget) and fewer than its output tokens left, and only those its grammar
+        takes; for ``self`` and ``draft_model``, placeholders the device fills."""
         left = req.sampling_params.max_tokens - req.num_output_tokens - 1
         most = min(self.k, room, left)
         if most <= 0:
@@ -89,8 +97,10 @@ class Speculator:
         if self.on_device:
             return (0,) * most
         c = self.config
-        return tuple(ngram_drafts(req.token_ids, most, c.prompt_lookup_min,
-                                  c.prompt_lookup_max))
+        drafts = ngram_drafts(req.token_ids, most, c.prompt_lookup_min, c.prompt_lookup_max)
+        if req.grammar is not None and drafts:  # up to the first token it would not take
+            drafts = drafts[:req.grammar.valid_prefix(drafts)]
+        return tuple(drafts)
 
     def drafts(self, running, budget: int, waiting) -> dict:
         """Drafts for the decoding sequences among ``running`` in a step of ``budget`` tokens:

@@ -1,11 +1,13 @@
 """Compiling every program an `Engine` can run before it serves (like vLLM's CUDA-graph capture).
 
 An engine runs a handful of programs: the ragged step once per token bucket, the decode loop
-once per row bucket, page copies per copy bucket, the fork sampler, the host tier's page
-gather and load per copy bucket (with ``host_kv_cache_bytes``), and (debug only) the page
-poisoner. `engine_programs` lists them; `warmup` runs each on padding-only inputs (no page
-changes) and derives one request key. Afterwards serving compiles nothing, so no request waits
-on a compile and host memory stays flat.
+once per row bucket, page copies per copy bucket, the fork sampler, the masked draw of
+structured outputs' rows per row bucket, the host tier's page gather and load per copy bucket
+(with ``host_kv_cache_bytes``), and (debug only) the page poisoner. `engine_programs` lists
+them; `warmup` runs each on padding-only inputs (no page changes) and derives one request key.
+Afterwards serving compiles nothing, so no request waits on a compile and host memory stays
+flat (logits processors with entries, and a speculating grammar's masked verification,
+compile on first use).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from jaxkv.engine import spec_runner
 from jaxkv.runtime.batch import padding_batch
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
+from jaxkv.runtime.processors import idle_masks, sample_processed
 from jaxkv.runtime.sampling import sample, sample_keys, token_logprobs
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
 from jaxkv.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -32,6 +35,8 @@ def engine_programs(engine) -> list[tuple[str, int]]:
     progs += [("copy_pages", n) for n in engine.copy_buckets]
     progs.append(("sample", engine.max_num_seqs))
     progs.append(("logprobs", engine.max_num_seqs))
+    if engine.model.tokenizer is not None:  # structured outputs: masked draws per row bucket
+        progs += [("sample_masked", r) for r in engine.row_buckets]
     if engine.spec_k:  # speculative decoding: a gather per (token, row) bucket pair, then
         # verification per row bucket (and the draft's programs, when drafts come from the device)
         progs += [("verify", (t, r)) for t in engine.token_buckets for r in engine.row_buckets]
@@ -105,6 +110,9 @@ def warmup(engine) -> int:
             forked = sample(logits, keys, arrays)  # the fork sampler: one shape for all
             for drawn in (tokens, forked):  # logprobs of a step's or a fork's tokens
                 token_logprobs(logits, drawn, MAX_LOGPROBS)
+        elif kind == "sample_masked":  # (after the steps: it takes a step's logits)
+            sample_processed(logits, keys, arrays, idle_masks(
+                size, engine.max_num_seqs, engine.model.config.vocab_size), tokens)
         elif kind == "decode_loop":
             idle = idle_decode_loop(engine, size)
             _, after, engine.state = engine.steps.decode_loop(engine.model.params,

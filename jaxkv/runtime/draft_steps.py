@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxkv.kv import PagedKVState
 from jaxkv.runtime.batch import StepBatch
+from jaxkv.runtime.sampling import argmax
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, _decode_loop, _ragged
 
 
@@ -46,7 +47,7 @@ def _fill(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBat
 def _propose(graphdef, impl: str, mesh, k: int, params, state: PagedKVState, batch: StepBatch,
              last, loop: DecodeLoopBatch):
     model, hidden, state = _ragged(graphdef, impl, mesh, params, state, batch)
-    first = jnp.argmax(model.logits(hidden[last]), axis=-1).astype(jnp.int32)
+    first = argmax(model.logits(hidden[last]))
     if k == 1:
         return first[None], state
     out, _, state = _decode_loop(graphdef, impl, mesh, k - 1, params, state,

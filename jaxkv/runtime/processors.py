@@ -14,12 +14,14 @@ logits, edits them and scatters them back. In vLLM's order (its V1 sampler):
    count in the output and ``presence_penalty`` once if it occurs there are subtracted.
 
 5. structured outputs: a row with a grammar keeps only the tokens its packed bitmask allows
-   (int32[B, ceil(V / 32)], bit j of word w for token 32 w + j, filled on the host by
+   (int32[R, ceil(V / 32)], bit j of word w for token 32 w + j, filled on the host by
    `jaxkv.structured.grammar`), unpacked here.
 
 Then temperature, top-k/top-p and the draw (`jaxkv.runtime.sampling`). Logprobs stay those of
-the raw logits (vLLM's default). A row without processors has only padding entries, and its
-logits pass unchanged (bit for bit), so one program serves a mixed batch.
+the raw logits (vLLM's default). Only the rows with processors are gathered (R of them, a power
+of 4), edited and drawn again, after the step drew every row: the others keep that token. A
+row with a grammar and nothing else has no entries, and a batch whose rows all are so skips
+the entries' gather and scatter (L = 0); without a grammar, no mask is shipped.
 """
 
 from __future__ import annotations
@@ -37,37 +39,52 @@ MIN_ENTRIES = 64  # the smallest entry bucket (entries per row are padded to a p
 
 @struct.dataclass
 class LogitsProcessors:
-    """Per-row logit edits for B rows of L entries (see the module docstring)."""
+    """Per-row logit edits for R of a batch's rows, L entries each (see the module
+    docstring). L is 0 when no row has entries (only grammars), and the mask has no words
+    when no row has a grammar: the program then skips that part."""
 
-    ids: jax.Array  # i32[B, L]  token ids the row edits (-1: padding)
-    bias: jax.Array  # f32[B, L]  added: logit_bias, and -inf for a bad word's banned token
-    counts: jax.Array  # i32[B, L]  occurrences of the id in the output
-    seen: jax.Array  # bool[B, L]  the id occurs in the prompt or the output
-    allowed: jax.Array  # bool[B, L]  in allowed_token_ids
-    restrict: jax.Array  # bool[B]  only allowed entries may be sampled
-    active: jax.Array  # bool[B]  the row has processors (the others keep their tokens)
-    repetition: jax.Array  # f32[B]  1: off
-    frequency: jax.Array  # f32[B]  0: off
-    presence: jax.Array  # f32[B]  0: off
-    mask: jax.Array  # i32[B, ceil(V / 32)]  a grammar's allowed tokens, packed (see above)
-    masked: jax.Array  # bool[B]  the row has a grammar
+    rows: jax.Array  # i32[R]  the batch rows edited (padding: past the batch, dropped)
+    ids: jax.Array  # i32[R, L]  token ids the row edits (-1: padding)
+    bias: jax.Array  # f32[R, L]  added: logit_bias, and -inf for a bad word's banned token
+    counts: jax.Array  # i32[R, L]  occurrences of the id in the output
+    seen: jax.Array  # bool[R, L]  the id occurs in the prompt or the output
+    allowed: jax.Array  # bool[R, L]  in allowed_token_ids
+    restrict: jax.Array  # bool[R]  only allowed entries may be sampled
+    repetition: jax.Array  # f32[R]  1: off
+    frequency: jax.Array  # f32[R]  0: off
+    presence: jax.Array  # f32[R]  0: off
+    mask: jax.Array  # i32[R, ceil(V / 32)] (or [R, 0])  a grammar's allowed tokens, packed
+    masked: jax.Array  # bool[R]  the row has a grammar
+
+
+def _edit(logits, p: LogitsProcessors):
+    """f32[R, V] logits of p's rows after their edits."""
+    if p.ids.shape[1]:  # (static: a batch whose only edits are grammars skips this)
+        r, v = logits.shape
+        rows = jnp.arange(r)[:, None]
+        real = p.ids >= 0
+        g = logits[rows, jnp.where(real, p.ids, 0)]
+        g = jnp.where(p.restrict[:, None] & ~p.allowed, -jnp.inf, g)
+        g = g + p.bias
+        rep = p.repetition[:, None]
+        g = jnp.where(p.seen, jnp.where(g > 0, g / rep, g * rep), g)
+        g = g - p.frequency[:, None] * p.counts.astype(jnp.float32)
+        g = g - p.presence[:, None] * (p.counts > 0).astype(jnp.float32)
+        base = jnp.where(p.restrict[:, None], -jnp.inf, logits)
+        logits = base.at[rows, jnp.where(real, p.ids, v)].set(g, mode="drop")
+    if p.mask.shape[1]:  # (static: no grammar, no mask)
+        logits = apply_token_bitmask(logits, p.mask, p.masked)
+    return logits
+
+
+def _take(x, rows):
+    return jnp.take(x, rows, axis=0, mode="clip")  # (padding rows: any row, then dropped)
 
 
 def apply_processors(logits, p: LogitsProcessors):
-    """f32[B, V] logits after the row's edits."""
-    b, v = logits.shape
-    rows = jnp.arange(b)[:, None]
-    real = p.ids >= 0
-    g = logits[rows, jnp.where(real, p.ids, 0)]
-    g = jnp.where(p.restrict[:, None] & ~p.allowed, -jnp.inf, g)
-    g = g + p.bias
-    r = p.repetition[:, None]
-    g = jnp.where(p.seen, jnp.where(g > 0, g / r, g * r), g)
-    g = g - p.frequency[:, None] * p.counts.astype(jnp.float32)
-    g = g - p.presence[:, None] * (p.counts > 0).astype(jnp.float32)
-    base = jnp.where(p.restrict[:, None], -jnp.inf, logits)
-    out = base.at[rows, jnp.where(real, p.ids, v)].set(g, mode="drop")
-    return apply_token_bitmask(out, p.mask, p.masked)
+    """f32[B, V] logits after the edits of p's rows (the other rows unchanged)."""
+    logits = jnp.asarray(logits, jnp.float32)
+    return logits.at[p.rows].set(_edit(_take(logits, p.rows), p), mode="drop")
 
 
 def apply_token_bitmask(logits, mask, masked):
@@ -82,12 +99,15 @@ def apply_token_bitmask(logits, mask, masked):
 @jax.jit
 def sample_processed(logits, keys, sampling: SamplingArrays, processors: LogitsProcessors,
                      tokens):
-    """`sample_tokens` of the processed logits for the rows with processors; the other rows
-    keep ``tokens`` (what the program without processors drew: a row's draw never depends on
-    its company). One program per entry bucket L."""
-    drawn = sample_tokens(apply_processors(logits.astype(jnp.float32), processors), keys,
-                          sampling)
-    return jnp.where(processors.active, drawn, tokens)
+    """``tokens`` with the rows that have processors drawn again (`sample_tokens`, their own
+    keys and settings) from their processed logits; only those rows are gathered, edited and
+    drawn (a row's draw never depends on its company). One program per (rows R, entries L,
+    mask or not)."""
+    rows = processors.rows
+    edited = _edit(_take(logits, rows).astype(jnp.float32), processors)
+    drawn = sample_tokens(edited, _take(keys, rows),
+                          jax.tree.map(lambda a: _take(a, rows), sampling))
+    return tokens.at[rows].set(drawn, mode="drop")
 
 
 def bad_word_bans(bad_words_ids, output_ids) -> list[int]:
@@ -107,13 +127,24 @@ def has_processors(sp) -> bool:
     return sp.edits_logits
 
 
+def _row_bucket(n: int, num_rows: int) -> int:
+    """Rows a program of n edited rows takes: a power of 4 (at most the batch's rows)."""
+    r = 1
+    while r < n:
+        r *= 4
+    return min(r, num_rows)
+
+
 def build_processors(rows, num_rows: int, grammars=None) -> LogitsProcessors:
     """Host builder. ``rows``: (row, token_ids, num_prompt_tokens, sampling params,
-    bad word token-id sequences, grammar `Matcher` or None) for every row with processors;
-    the other rows pass through. Entries are padded to a power of two >= MIN_ENTRIES; the
-    grammars' masks are filled by ``grammars`` (a `GrammarCompiler`: on its threads)."""
+    bad word token-id sequences, grammar `Matcher` or None) for every row with processors,
+    of a batch of ``num_rows``; the other rows pass through. Rows are padded to a power of 4,
+    entries to a power of two >= MIN_ENTRIES (none when no row has any); the grammars' masks
+    are filled by ``grammars`` (a `GrammarCompiler`: on its threads)."""
     built = []
-    for row, token_ids, num_prompt, sp, bad_words_ids, _ in rows:
+    for i, (_, token_ids, num_prompt, sp, bad_words_ids, _) in enumerate(rows):
+        if not sp.uses_processors:
+            continue  # a grammar only
         hist = np.asarray(token_ids, np.int64)
         out = hist[num_prompt:]
         parts = [np.asarray(list(sp.logit_bias or ()), np.int64),
@@ -131,30 +162,45 @@ def build_processors(rows, num_rows: int, grammars=None) -> LogitsProcessors:
         hit = np.isin(uniq, ids)
         counts = np.zeros(len(ids), np.int32)
         counts[np.searchsorted(ids, uniq[hit])] = cnt[hit]
-        built.append((row, sp, ids, bias, counts, np.isin(ids, seen),
+        built.append((i, sp, ids, bias, counts, np.isin(ids, seen),
                       np.isin(ids, np.asarray(sp.allowed_token_ids or (), np.int64))))
-    width = MIN_ENTRIES
+    width = 0 if not built else MIN_ENTRIES
     while width < max((len(b[2]) for b in built), default=0):
         width *= 2
-    constrained = [(r[5], r[0]) for r in rows if r[5] is not None]
-    words = bitmask_words(grammars.vocab_size) if constrained else 1  # (1: no mask to ship)
+    constrained = [(r[5], i) for i, r in enumerate(rows) if r[5] is not None]
+    words = bitmask_words(grammars.vocab_size) if constrained else 0
+    n = _row_bucket(len(rows), num_rows)
+    at = np.full(n, num_rows, np.int32)  # padding rows: dropped
+    at[:len(rows)] = [r[0] for r in rows]
     p = LogitsProcessors(
-        ids=np.full((num_rows, width), -1, np.int32),
-        bias=np.zeros((num_rows, width), np.float32),
-        counts=np.zeros((num_rows, width), np.int32),
-        seen=np.zeros((num_rows, width), bool), allowed=np.zeros((num_rows, width), bool),
-        restrict=np.zeros(num_rows, bool), active=np.zeros(num_rows, bool),
-        repetition=np.ones(num_rows, np.float32),
-        frequency=np.zeros(num_rows, np.float32), presence=np.zeros(num_rows, np.float32),
-        mask=np.zeros((num_rows, words), np.int32), masked=np.zeros(num_rows, bool))
+        rows=at, ids=np.full((n, width), -1, np.int32), bias=np.zeros((n, width), np.float32),
+        counts=np.zeros((n, width), np.int32),
+        seen=np.zeros((n, width), bool), allowed=np.zeros((n, width), bool),
+        restrict=np.zeros(n, bool), repetition=np.ones(n, np.float32),
+        frequency=np.zeros(n, np.float32), presence=np.zeros(n, np.float32),
+        mask=np.zeros((n, words), np.int32), masked=np.zeros(n, bool))
     if constrained:
         grammars.fill(constrained, p.mask)
-        p.masked[[row for _, row in constrained]] = True
-    for row, sp, ids, bias, counts, seen, allowed in built:
-        n = len(ids)
-        p.ids[row, :n], p.bias[row, :n], p.counts[row, :n] = ids, bias, counts
-        p.seen[row, :n], p.allowed[row, :n] = seen, allowed
-        p.restrict[row], p.active[row] = sp.allowed_token_ids is not None, True
-        p.repetition[row] = sp.repetition_penalty
-        p.frequency[row], p.presence[row] = sp.frequency_penalty, sp.presence_penalty
+        p.masked[[i for _, i in constrained]] = True
+    for i, sp, ids, bias, counts, seen, allowed in built:
+        k = len(ids)
+        p.ids[i, :k], p.bias[i, :k], p.counts[i, :k] = ids, bias, counts
+        p.seen[i, :k], p.allowed[i, :k] = seen, allowed
+        p.restrict[i] = sp.allowed_token_ids is not None
+        p.repetition[i] = sp.repetition_penalty
+        p.frequency[i], p.presence[i] = sp.frequency_penalty, sp.presence_penalty
     return p
+
+
+def idle_masks(rows: int, num_rows: int, vocab_size: int) -> LogitsProcessors:
+    """Processors of ``rows`` padding rows with a grammar's mask and no entries (what a batch
+    of constrained rows runs): compiling `sample_processed` ahead with them edits nothing."""
+    z = np.zeros((rows, 0))
+    return LogitsProcessors(
+        rows=np.full(rows, num_rows, np.int32), ids=z.astype(np.int32),
+        bias=z.astype(np.float32), counts=z.astype(np.int32), seen=z.astype(bool),
+        allowed=z.astype(bool), restrict=np.zeros(rows, bool),
+        repetition=np.ones(rows, np.float32), frequency=np.zeros(rows, np.float32),
+        presence=np.zeros(rows, np.float32),
+        mask=np.zeros((rows, bitmask_words(vocab_size)), np.int32),
+        masked=np.zeros(rows, bool))

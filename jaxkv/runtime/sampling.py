@@ -99,6 +99,28 @@ def sample_keys(engine_seed: int, sp, index: int) -> list[np.ndarray]:
     return [np.asarray(jax.random.fold_in(base, j), np.uint32) for j in range(sp.n)]
 
 
+def argmax(x):
+    """i32[B]: each row's first largest entry of x [B, V], as ``jnp.argmax`` gives it (for
+    rows without NaN: XLA:CPU's vectorized max may drop one). By blocks of CDF_BLOCK: the
+    block with the largest maximum, then the entry in it (a last partial block apart, so
+    nothing is padded). XLA:CPU's argmax over a whole row is a slow variadic reduction:
+    3.3 ms for [32, 49152] on a 2-core VM, against 0.27 ms so."""
+    b, v = x.shape
+    block = min(CDF_BLOCK, v)
+    nb, rest = divmod(v, block)
+    whole = x[:, :nb * block].reshape(b, nb, block)
+    peaks = jnp.max(whole, axis=-1)
+    if rest:
+        tail = x[:, nb * block:]
+        peaks = jnp.concatenate([peaks, jnp.max(tail, axis=-1, keepdims=True)], axis=-1)
+    blk = jnp.argmax(peaks, axis=-1)
+    row = jnp.take_along_axis(whole, jnp.minimum(blk, nb - 1)[:, None, None], axis=1)[:, 0]
+    idx = blk * block + jnp.argmax(row, axis=-1)
+    if rest:
+        idx = jnp.where(blk == nb, nb * block + jnp.argmax(tail, axis=-1), idx)
+    return idx.astype(jnp.int32)
+
+
 def inverse_cdf(x, u):
     """Index drawn from softmax(x) per row (x f32[B, V], -inf = excluded; u f32[B] in [0, 1))."""
     b, v = x.shape
@@ -173,7 +195,7 @@ def sample_tokens(logits, keys, sampling: SamplingArrays):
         -jnp.inf, mode="drop")
 
     def greedy():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
 
     def stochastic():
         step_keys = jax.vmap(jax.random.fold_in)(keys, sampling.step)

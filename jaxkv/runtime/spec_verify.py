@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.runtime.sampling import inverse_cdf, keep_threshold
+from jaxkv.runtime.sampling import argmax, inverse_cdf, keep_threshold
 
 
 def target_probs(logits, temperature, top_k, top_p, banned=None):
@@ -35,7 +35,7 @@ def target_probs(logits, temperature, top_k, top_p, banned=None):
         logits = logits.at[jnp.arange(n)[:, None], jnp.where(banned >= 0, banned, v)].set(
             -jnp.inf, mode="drop")
     hot = temperature > 0
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    greedy = jax.nn.one_hot(argmax(logits), v, dtype=jnp.float32)
 
     def sampled():
         x = logits / jnp.maximum(temperature, 1e-6)[:, None]

@@ -16,11 +16,12 @@ is ``loop`` with each row's pending token, position, liveness and count after th
 the inputs of a next loop, which the host can dispatch before reading these tokens.
 
 Speculative decoding (`jaxkv.engine.speculation`): ``spec_step(params, state, batch, idx, draft,
-num_draft, keys, sampling, banned) -> (tokens i32[R, K + 1], logits, state)`` runs a ragged
-batch of R decode rows, each its pending token and up to K drafts, takes the logits at those
-positions only and verifies them (`jaxkv.runtime.spec_verify`); ``verify`` does the same from
-a plain step's hidden states (a step with prefill chunks). With self-speculation, ``draft``
-is a decode loop of the model's first layers, greedy.
+num_draft, keys, sampling, banned[, mask]) -> (tokens i32[R, K + 1], logits, state)`` runs a
+ragged batch of R decode rows, each its pending token and up to K drafts, takes the logits at
+those positions only and verifies them (`jaxkv.runtime.spec_verify`), masked per position for
+rows with a grammar; ``verify`` does the same from a plain step's hidden states (a step with
+prefill chunks). With self-speculation, ``draft`` is a decode loop of the model's first
+layers, greedy.
 
 The NNX graphdef is split from the params before jit: the params are an ordinary pytree argument
 (fresh weights need no recompile) and the traced program does not embed them as constants.
@@ -46,6 +47,7 @@ from jaxkv.attention import (
 from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, pool_layers, rotate_queries, write_kv
 from jaxkv.runtime.batch import StepBatch
+from jaxkv.runtime.processors import apply_token_bitmask
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens, token_logprobs
 from jaxkv.runtime.spec_verify import target_probs, verify
 from jaxkv.sharding import kv_sharding, sharded_attention
@@ -229,16 +231,16 @@ def _step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBat
 
 
 def _spec_step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch, idx,
-               draft, num_draft, keys, sampling: SamplingArrays, banned):
+               draft, num_draft, keys, sampling: SamplingArrays, banned, mask=None):
     """A step of R decode rows, some with drafts: the ragged forward, logits only at the rows'
     positions (``idx`` i32[R, K + 1], as `_verify` takes them), then verification; a row
     without drafts samples as a plain step would (same key, same draw). Returns (tokens
     i32[R, K + 1], logits f32[R * (K + 1), V], state)."""
     model, hidden, state = _ragged(graphdef, impl, mesh, params, state, batch)
-    tokens, logits = _verified(model, hidden[idx.reshape(-1)], draft, num_draft, keys,
-                               sampling, banned)
+    tokens, logits, scores = _verified(model, hidden[idx.reshape(-1)], draft, num_draft, keys,
+                                       sampling, banned, mask)
     r, k1 = idx.shape
-    plain = sample_tokens(logits.reshape(r, k1, -1)[:, 0], keys,
+    plain = sample_tokens(scores.reshape(r, k1, -1)[:, 0], keys,
                           sampling.replace(banned=banned[:, 0]))
     tokens = tokens.at[:, 0].set(jnp.where(num_draft > 0, tokens[:, 0], plain))
     return tokens, logits, state
@@ -306,25 +308,31 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
 
 
 def _verify(graphdef, impl: str, mesh, params, hidden, draft, num_draft, keys,
-            sampling: SamplingArrays, banned):
+            sampling: SamplingArrays, banned, mask=None):
     """Verifies R speculating rows: ``hidden`` [R * (K + 1), E] are each row's final hidden
     states in a step (its pending token, then its drafts; `take_rows`), ``draft`` i32[R, K]
     (< 0: none), ``num_draft`` i32[R], ``keys``/``step``/``sampling`` per row, ``banned``
-    i32[R, K + 1, MAX_BANNED] per position (`jaxkv.runtime.spec_verify`). Returns (tokens
-    i32[R, K + 1], -1 after the emitted ones; the raw logits f32[R * (K + 1), V])."""
+    i32[R, K + 1, MAX_BANNED] per position (`jaxkv.runtime.spec_verify`); ``mask``, with
+    structured outputs: (i32[R, K + 1, ceil(V / 32)] a grammar's packed mask per position,
+    bool[R, K + 1] where one applies), or None. Returns (tokens i32[R, K + 1], -1 after the
+    emitted ones; the raw logits f32[R * (K + 1), V])."""
     return _verified(_merge(graphdef, params, impl, mesh), hidden, draft, num_draft, keys,
-                     sampling, banned)
+                     sampling, banned, mask)[:2]
 
 
-def _verified(model, hidden, draft, num_draft, keys, sampling: SamplingArrays, banned):
+def _verified(model, hidden, draft, num_draft, keys, sampling: SamplingArrays, banned, mask):
+    """(tokens, the raw logits, the logits the rows sample from: masked where ``mask`` says)."""
     r, k1 = banned.shape[:2]
-    logits = model.logits(hidden)
+    logits = scores = model.logits(hidden)
+    if mask is not None:  # (a program of its own: only steps with a grammar row run it)
+        words, masked = mask
+        scores = apply_token_bitmask(logits, words.reshape(r * k1, -1), masked.reshape(-1))
     per_position = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), sampling)
-    p = target_probs(logits, per_position.temperature, per_position.top_k, per_position.top_p,
+    p = target_probs(scores, per_position.temperature, per_position.top_k, per_position.top_p,
                      banned.reshape(r * k1, -1))
     tokens, _ = verify(p.reshape(r, k1, -1), jnp.maximum(draft, 0), num_draft, keys,
                        sampling.step)
-    return tokens, logits
+    return tokens, logits, scores
 
 
 @jax.jit

@@ -15,18 +15,19 @@
 
 A reply with calls has ``message.tool_calls`` (each ``{"id", "type": "function", "function":
 {"name", "arguments": <JSON text>}}``) and ``finish_reason="tool_calls"`` (``"stop"`` for a
-named function, as OpenAI answers). Streamed, text before a call streams as content; each call
-arrives as one ``delta.tool_calls`` entry once its text is complete (a named function's
-arguments stream as they are generated).
+named function, as OpenAI answers). Streamed, text before a call streams as content; a call's
+first ``delta.tool_calls`` entry comes once its name is complete, and its arguments follow as
+they are generated (`jaxkv.server.tool_scan`), in every mode. A call's ``arguments`` are the
+text the model wrote for them (so the streamed pieces add up to the whole reply's).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 from jaxkv.server.protocol import FieldError
+from jaxkv.server.tool_scan import PartialCall, scan_calls
 from jaxkv.structured.params import StructuredOutputsParams
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -116,46 +117,47 @@ def _call(name: str, arguments, parser: str | None = None) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def _objects(text: str) -> list:
-    """The JSON values in ``text`` one after another (separated by whitespace or ';')."""
-    out, decoder, i = [], json.JSONDecoder(), 0
-    while True:
-        while i < len(text) and text[i] in " \t\r\n;":
-            i += 1
-        if i >= len(text):
-            return out
-        value, i = decoder.raw_decode(text, i)
-        out.append(value)
+def _region(parser: str, text: str) -> tuple[int, int] | None:
+    """(end of the content, start of the calls) in ``text`` for ``parser``, or None before a
+    call begins: after hermes' or mistral's marker; a Llama 3 reply that is a JSON object
+    (after ``<|python_tag|>``, if any) is all calls."""
+    if parser == "llama3_json":
+        body = text.lstrip()
+        lead = len(text) - len(body)
+        if body.startswith(_MARKERS[parser]):
+            return 0, lead + len(_MARKERS[parser])
+        return (0, lead) if body.startswith("{") else None
+    at = text.find(_MARKERS[parser])
+    return None if at < 0 else (at, at + len(_MARKERS[parser]))
+
+
+def _complete(call: PartialCall, text: str) -> bool:
+    if not call.closed or not isinstance(call.name, str):
+        return False
+    try:
+        json.loads(call.arguments(text) or "{}")
+        return True
+    except ValueError:
+        return False
+
+
+def _found(text: str, start: int, parser: str | None) -> list[dict]:
+    """The calls in ``text[start:]`` if all of them are complete (else none), each with its
+    arguments' text as written."""
+    calls = scan_calls(text, start)
+    if not calls or not all(_complete(c, text) for c in calls):
+        return []
+    return [_call(c.name, c.arguments(text) or "{}", parser) for c in calls]
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[dict]]:
     """(content, calls) of a model's free text: the calls the parser finds (none if their text
     does not parse: the reply stays text), and the text before them."""
-    try:
-        if parser == "hermes":
-            start = text.find("<tool_call>")
-            if start < 0:
-                return text, []
-            bodies = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], re.S)
-            calls = [_call(v["name"], v.get("arguments", {}))
-                     for b in bodies for v in [json.loads(b)]]
-            return text[:start] or None, calls
-        if parser == "mistral":
-            start = text.find("[TOOL_CALLS]")
-            if start < 0:
-                return text, []
-            items = [x for v in _objects(text[start + len("[TOOL_CALLS]"):])
-                     for x in (v if isinstance(v, list) else [v])]
-            calls = [_call(v["name"], v.get("arguments", {}), parser) for v in items]
-            return text[:start] or None, calls
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = [_call(v["name"], v.get("parameters", v.get("arguments", {})))
-                 for v in _objects(body)]
-        return None, calls
-    except (ValueError, KeyError, TypeError, AttributeError):
+    region = _region(parser, text)
+    calls = [] if region is None else _found(text, region[1], parser)
+    if not calls:
         return text, []
+    return text[:region[0]] or None, calls
 
 
 class ToolReplies:
@@ -166,7 +168,8 @@ class ToolReplies:
         self.mode = "named" if isinstance(choice, dict) else choice
         self.name = choice["function"]["name"] if isinstance(choice, dict) else None
         self.parser, self.parallel = parser, parallel
-        self._sent: dict[int, int] = {}  # choice index -> characters already streamed
+        self._sent: dict[int, int] = {}  # choice index -> characters of content streamed
+        self._streams: dict[int, dict[int, int]] = {}  # its calls' arguments streamed
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The reply message and its finish_reason, for a whole output."""
@@ -182,11 +185,8 @@ class ToolReplies:
         if self.mode == "named":
             return None, [_call(self.name, text, self.parser)]
         if self.mode == "required":
-            try:
-                return None, [_call(c["name"], c["parameters"], self.parser)
-                              for c in json.loads(text)]
-            except (ValueError, KeyError, TypeError):
-                return text, []
+            calls = _found(text, 0, self.parser)
+            return (None, calls) if calls else (text, [])
         if self.mode == "auto" and self.parser is not None:
             content, calls = parse(self.parser, text)
             return content, calls[:1] if self.parallel is False else calls
@@ -206,16 +206,44 @@ class ToolReplies:
                 {"function": {"arguments": text[sent:]}}
             return {"tool_calls": [{"index": 0, **call}]}, \
                 None if finish is None else self.message(text, finish)[1]
-        if finish is None:  # hold back what may be (the start of) a call
-            safe = max(sent, _safe_prefix(self.parser, text) if self.mode == "auto" else sent)
+        region = (0, 0) if self.mode == "required" else _region(self.parser, text)
+        reason = None
+        if finish is not None:
+            message, reason = self.message(text, finish)
+            if not message.get("tool_calls") and not self._streams.get(index):
+                self._sent[index] = len(text)  # no call after all: the rest is content
+                return {"content": text[sent:]}, reason
+        elif region is None:  # hold back what may be (the start of) a call
+            safe = max(sent, _safe_prefix(self.parser, text))
             self._sent[index] = safe
             return {"content": text[sent:safe]}, None
-        message, reason = self.message(text, finish)
-        calls = message.get("tool_calls") or []
-        if not calls:
-            self._sent[index] = len(text)
-            return {"content": text[sent:]}, reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, reason
+        delta = {}
+        if region is not None and region[0] > sent:  # the content before the calls
+            delta["content"] = text[sent:region[0]]
+            self._sent[index] = region[0]
+        calls = [] if region is None else self._call_deltas(index, text, region[1])
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, reason
+
+    def _call_deltas(self, index: int, text: str, start: int) -> list[dict]:
+        """The calls' new pieces: a call's first entry once its name is complete (its id,
+        name and the arguments so far), then what its arguments grew by."""
+        sent = self._streams.setdefault(index, {})  # call -> characters of arguments sent
+        calls = scan_calls(text, start)
+        out = []
+        for i, call in enumerate(calls[:1] if self.parallel is False else calls):
+            if call.name is None:
+                break  # (calls come in order)
+            args = call.arguments(text)
+            if call.end is None and args and args[0] not in '{["':
+                args = ""  # a bare number or literal: sent once it is complete
+            if i not in sent:
+                out.append({"index": i, **_call(call.name, args, self.parser)})
+            elif len(args) > sent[i]:
+                out.append({"index": i, "function": {"arguments": args[sent[i]:]}})
+            sent[i] = len(args)
+        return out
 
 
 def _safe_prefix(parser: str, text: str) -> int:

@@ -56,6 +56,10 @@ class Matcher:
         """Writes the tokens allowed next into ``bitmask[row]``."""
         _llguidance().numpy.fill_next_token_bitmask(self.ll, bitmask, row)
 
+    def valid_prefix(self, tokens) -> int:
+        """How many of ``tokens`` the grammar accepts in a row from here (its state kept)."""
+        return int(self.ll.validate_tokens([int(t) for t in tokens]))
+
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (not even whitespace)."""
@@ -138,6 +142,22 @@ class GrammarCompiler:
             self._executor = ll.LLExecutor()
         ll.numpy.fill_next_token_bitmask_par(self._executor, [(m.ll, r) for m, r in rows],
                                              bitmask)
+
+    def fill_with_drafts(self, rows: list[tuple[Matcher, int, list[int]]],
+                         bitmask: np.ndarray) -> None:
+        """For every (matcher, row, drafts): fills ``bitmask[row + j]``, j = 0..len(drafts),
+        with the tokens allowed after ``drafts[:j]`` (the masks of a speculating row's
+        positions; each matcher's state is kept), in parallel on llguidance's threads."""
+        ll = _llguidance()
+        if self._executor is None:
+            self._executor = ll.LLExecutor()
+        drafting = [(m.ll, r, [int(t) for t in d]) for m, r, d in rows if len(d)]
+        if drafting:
+            ll.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting,
+                                                                   bitmask)
+        plain = [(m, r) for m, r, d in rows if not len(d)]
+        if plain:
+            self.fill(plain, bitmask)
 
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

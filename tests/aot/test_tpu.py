@@ -206,23 +206,29 @@ def test_engine_step_updates_the_pool_in_place(chip, case, table):
 # Speculative decoding's spec step: 8 decode rows of k + 1 = 8 tokens (a draft of 7 each),
 # logits at those 64 positions only, verification and the plain rows' sampling in the same
 # program (jaxkv.runtime.steps._spec_step).
+# The "masked" case: structured outputs' grammar masks (packed i32 [R, K + 1, V / 32]) at every
+# position.
 SPEC_STEPS = [
-    ("v5e", aot_steps.StepCase("llama-3.2-1b", "spec", 1.0, 64, 64, 4096)),
-    ("v6e", aot_steps.StepCase("llama-3-8b", "spec", 2.0, 64, 128, 8192)),
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "spec", 1.0, 64, 64, 4096), False),
+    ("v5e", aot_steps.StepCase("llama-3.2-1b", "spec", 1.0, 64, 64, 4096), True),
+    ("v6e", aot_steps.StepCase("llama-3-8b", "spec", 2.0, 64, 128, 8192), False),
 ]
 
 
-@pytest.mark.parametrize("chip, case", [pytest.param(c, s, id=f"{c}-{s.name}".replace(" ", "-"))
-                                        for c, s in SPEC_STEPS])
-def test_spec_step_updates_the_pool_in_place(chip, case, table):
+@pytest.mark.parametrize("chip, case, masked", [
+    pytest.param(c, s, m, id=f"{c}-{s.name}{'-masked' if m else ''}".replace(" ", "-"))
+    for c, s, m in SPEC_STEPS])
+def test_spec_step_updates_the_pool_in_place(chip, case, masked, table):
     """The pool donated and aliased to the output, and no copy of it: verification's
     temporaries are [R(K + 1), V] f32 arrays (logits, probabilities, the residual)."""
     rows, k = 8, 7
-    step, params, state, *inputs = aot_steps.spec_step_inputs(case, "pallas-tpu", rows, k)
+    step, params, state, *inputs = aot_steps.spec_step_inputs(case, "pallas-tpu", rows, k,
+                                                              masked)
     r = aot_tpu.compile_for(chip, step, *aot_tpu.on_chip(chip, (params, state, *inputs)))
     pool = aot_steps.pool_bytes(state)
+    name = case.name + f" R={rows} k={k}" + (" masked" if masked else "")
     table("Engine steps on TPU (jaxkv.runtime.steps, attention_impl='pallas-tpu')", STEP_COLUMNS,
-          [chip, case.name + f" R={rows} k={k}", pool // MiB, f"{r.temp_bytes / MiB:.1f}",
+          [chip, name, pool // MiB, f"{r.temp_bytes / MiB:.1f}",
            f"{r.temp_bytes / pool:.4f}", f"{r.largest_copy() / MiB:.1f}", r.alias_bytes // MiB,
            f"{r.seconds:.1f}"])
     verifier = 16 * rows * (k + 1) * aot_steps.config_of(case.model).vocab_size * 4

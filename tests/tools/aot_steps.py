@@ -178,10 +178,11 @@ def step_inputs(case: StepCase, impl: str):
     return steps.step, params, state, batch, keys, SamplingArrays.greedy(case.rows)
 
 
-def spec_step_inputs(case: StepCase, impl: str, rows: int, k: int):
+def spec_step_inputs(case: StepCase, impl: str, rows: int, k: int, masked: bool = False):
     """(jitted program, params, state, *inputs): abstract inputs of one real jaxkv spec step
     (`jaxkv.runtime.steps`: ``rows`` decode rows of k + 1 tokens each, verified in the same
-    program) over ``case.rows`` slots and ``case.tokens`` = T tokens."""
+    program) over ``case.rows`` slots and ``case.tokens`` = T tokens; ``masked``: with the
+    grammar masks of structured outputs at every position."""
     graphdef, params, state, pages, width = _abstract_state(case, impl)
     steps = make_steps(graphdef, impl)
     batch = padding_batch(case.tokens, PageTable(case.rows, width, pages, case.page_size),
@@ -190,7 +191,9 @@ def spec_step_inputs(case: StepCase, impl: str, rows: int, k: int):
     return (steps.spec_step, params, state, batch, np.zeros((rows, k1), np.int32),
             np.zeros((rows, k), np.int32), np.zeros(rows, np.int32),
             np.zeros((rows, 2), np.uint32), SamplingArrays.greedy(rows),
-            np.full((rows, k1, MAX_BANNED), -1, np.int32))
+            np.full((rows, k1, MAX_BANNED), -1, np.int32),
+            (np.full((rows, k1, (config_of(case.model).vocab_size + 31) // 32), -1, np.int32),
+             np.ones((rows, k1), bool)) if masked else None)
 
 
 def draft_inputs(case: StepCase, impl: str, rows: int, k: int):
