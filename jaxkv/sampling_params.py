@@ -60,9 +60,10 @@ class SamplingParams:
     ``structured_outputs`` (`jaxkv.StructuredOutputsParams`, or a dict of its fields: ``json``,
     ``regex``, ``choice``, ``grammar``, ``json_object``) constrains the output: at every step
     the tokens its grammar does not allow next are masked on device, after the processors
-    above. It decodes one step per host round trip; with n-gram speculation it speculates,
-    each draft position masked by the grammar's state after the drafts before it. A grammar
-    that is complete allows only EOS, so the output ends there (at ``max_tokens`` first: cut
+    above. It decodes one step per host round trip; without processors it speculates
+    (``speculative_config``), its drafts cut before the first token the grammar refuses and
+    each verified position masked by the grammar's state after the drafts before it. A
+    grammar that is complete allows only EOS, so the output ends there (at ``max_tokens`` first: cut
     off, "length").
 
     ``speculate=False`` opts a request out of the engine's speculative decoding

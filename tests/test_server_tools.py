@@ -10,6 +10,7 @@ import pytest
 from serving import MODEL, Server
 
 import jaxkv
+from jaxkv.server.tool_scan import CallScanner, scan_calls
 from jaxkv.server.tools import ToolReplies, detect_parser, parse
 
 WEATHER = {"type": "object", "properties": {
@@ -150,6 +151,12 @@ STREAMED = [  # (tool_choice, parser, reply text)
     ("required", None, '[{"name": "get_weather", "parameters": {"city": "Lima", "unit": "f"}}]'),
     ("auto", "hermes", "No call here, only {braces} and <tool_ words."),
     ("auto", "hermes", "<tool_call>not a call after all"),
+    # what follows the calls is ignored, here an object that is no call
+    ("auto", "hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+                       ' and then {"x": 1}'),
+    ("auto", "hermes", '<tool_call>{"name": "f"}</tool_call>'),  # no arguments: "{}"
+    ("auto", "mistral", '[TOOL_CALLS][{"name": "f", "arguments": "{\\"a\\": [1]}"}]'),  # text
+    ("auto", "llama3_json", '\n {"name": "add", "parameters": {"a": 1, "b": 2}}'),
 ]
 
 
@@ -179,5 +186,22 @@ def test_calls_stream_as_they_are_written_and_add_up_to_the_whole_reply(choice, 
     assert [calls[i] for i in sorted(calls)] == want
     for _, args in want:
         json.loads(args)  # the arguments as written, valid JSON
-    if want and step == 1:
-        assert all(pieces.get(i, 0) > 3 for i in range(len(want)))  # streamed as written
+    if step == 1:  # arguments that are an object stream as written
+        assert all(pieces.get(i, 0) > 3 for i, (_, args) in enumerate(want)
+                   if len(args) > 4 and text.count(args))
+
+
+def test_the_scanner_reads_a_growing_text_as_it_would_the_whole():
+    """`CallScanner` fed a few characters at a time (strings cut anywhere, escapes split)
+    finds the same calls, spans and names as a scan of the whole text."""
+    for _, _, text in STREAMED:
+        whole = scan_calls(text)
+        for step in (1, 2, 5):
+            scanner = CallScanner()
+            for end in range(step, len(text) + step, step):
+                got = scanner.feed(text[:end])
+            assert got == whole, (text, step)
+    text = '<tool_call>{"name": "f", "arguments": {"s": "a\\"}b", "n": [1, {"m": null}]}}'
+    (call,) = scan_calls(text, text.index("{"))
+    assert call.name == "f" and call.closed
+    assert json.loads(call.arguments(text)) == {"s": 'a"}b', "n": [1, {"m": None}]}

@@ -292,15 +292,18 @@ def test_ngram_drafts_of_a_constrained_request_end_before_the_first_refused_toke
     assert tok.decode(cut) == " = 3" and free[:len(cut)] == cut
 
 
-def test_with_drafts_from_the_device_a_constrained_request_is_masked_in_the_spec_step(model):
-    """self-speculation: the drafts appear on the device, so a constrained request drafts
-    nothing, but it shares the neighbour's spec steps, which mask its token: the outputs are
-    those without speculation."""
+@pytest.mark.parametrize("spec", [
+    {"method": "self", "num_speculative_tokens": 3},
+    {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int8"}],
+    ids=["self", "draft_model"])
+def test_drafts_from_the_device_are_read_back_cut_and_masked(model, spec):
+    """self and draft_model: a constrained request's drafts appear on the device; they are
+    read back, cut at the first refused token and their positions masked. Greedy, the outputs
+    are those without speculation, and the constrained request's drafts were accepted."""
     plain = _pairs_run(model, 0)
-    spec = _pairs_run(model, 0, {"method": "self", "num_speculative_tokens": 3,
-                                 "disable_by_batch_size": None})
-    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
-    assert spec["c"][1] == 0 and spec["u"][1] > 0
+    got = _pairs_run(model, 0, {**spec, "disable_by_batch_size": None})
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in plain.items()}
+    assert got["c"][1] > 0 and got["c"][2] > 0 and got["u"][1] > 0
 
 
 def test_the_masks_of_draft_positions_equal_consuming_the_drafts_one_by_one(model):

@@ -14,6 +14,9 @@ backend, against xgrammar), and what the mask costs a decode step.
    Then the price a constrained row makes its batch pay with `LLM(model)` defaults (where a
    CPU decodes unconstrained batches in loops of 8 steps on device): ``--batch`` rows without
    a constraint, against one of them constrained for all its tokens (a letters-only regex).
+   And the device's masked draw alone on random logits at vocabularies 49,152 (SmolLM2)
+   and 128,256 (Llama 3), ``--batch`` constrained rows of max(32, batch), against the LM head of the
+   smallest 128k model (Llama-3.2-1B: hidden 2048) for those rows: a floor for its step.
 4. Speculation: extraction prompts (a record whose fields are asked for as JSON, so the
    reply copies from the prompt), one at a time, greedy, with `LLM(model)` defaults and with
    n-gram speculation: tokens/s, drafts accepted, and whether the replies are the same.
@@ -159,6 +162,7 @@ def run(args) -> dict:
     # 3. the cost at batch B
     cost = _cost(llm, model, HELD_OUT, so, args)
     cost["mixed"] = _mixed(model, convs_for(HELD_OUT, args.batch), args)
+    cost["vocab"] = _vocab_scaling(args.batch)
     # 4. n-gram speculation of constrained replies
     spec = _speculation(model, args)
     return {"validity": valid, "backends": rows, "cost": cost, "speculation": spec,
@@ -194,6 +198,54 @@ def _mixed(model, convs, args) -> dict:
     for label, g in got.items():
         print(f"{label:<17} {g['tokens_per_s']:>8.1f} tok/s")
     return got
+
+
+def _vocab_scaling(batch: int) -> list[dict]:
+    """The masked draw of ``batch`` constrained rows of max(32, batch) (median ms, greedy and
+    at temperature 0.8) at two vocabularies, and a 128k model's LM head for those rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv import SamplingParams
+    from jaxkv.runtime.processors import build_processors, sample_processed
+    from jaxkv.runtime.sampling import SamplingArrays
+
+    def median_ms(fn, *a):
+        jax.block_until_ready(fn(*a))
+        return 1e3 * float(np.median([_time(lambda: jax.block_until_ready(fn(*a)))
+                                      for _ in range(30)]))
+
+    class Random:  # a mask with half the tokens allowed (its values do not change the cost)
+        def __init__(self, vocab_size):
+            self.vocab_size = vocab_size
+
+        def fill(self, constrained, bitmask):
+            bitmask[:] = np.random.default_rng(0).integers(-2**31, 2**31, bitmask.shape)
+
+    rng, rows = np.random.default_rng(0), max(32, batch)
+    so = SamplingParams(structured_outputs={"regex": "a"})
+    keys, tokens = np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32)
+    out = []
+    for vocab in (49152, 128256):
+        logits = jnp.asarray(rng.standard_normal((rows, vocab), np.float32))
+        procs = build_processors([(i, [1], 1, so, [], object()) for i in range(batch)], rows,
+                                 Random(vocab))
+        row = {"vocab": vocab}
+        for name, sampling in (("greedy", SamplingArrays.greedy(rows)),
+                               ("t=0.8", SamplingArrays.build([0.8] * rows, [0] * rows,
+                                                              [1.0] * rows, [0] * rows, rows))):
+            row[name] = median_ms(sample_processed, logits, keys, sampling, procs, tokens)
+        out.append(row)
+    hidden = jnp.asarray(rng.standard_normal((batch, 2048), np.float32))
+    head = jnp.asarray(rng.standard_normal((2048, 128256), np.float32) * 0.02)
+    head_ms = median_ms(jax.jit(lambda h, w: h @ w), hidden, head)
+    print(f"\nthe masked draw alone (device), {batch} constrained rows of {rows}, median ms:")
+    print(f"{'vocab':>7} {'greedy':>7} {'t=0.8':>7}")
+    for row in out:
+        print(f"{row['vocab']:>7} {row['greedy']:>7.2f} {row['t=0.8']:>7.2f}")
+    print(f"Llama-3.2-1B's LM head alone (fp32 [{batch}, 2048] x [2048, 128256]): "
+          f"{head_ms:.1f} ms")
+    return out + [{"lm_head_ms": head_ms}]
 
 
 def _speculation(model, args) -> dict:

@@ -6,9 +6,10 @@ part, `jaxkv.runtime.spec_verify` the rule).
 A step with speculating rows runs as any ragged step (each such row holds its pending token and
 its drafts), then one ``verify`` program per row bucket turns those rows' hidden states into the
 target's logits at every position and accepts or draws. A row with a grammar (structured
-outputs, n-gram drafts) has its mask at every position, filled on the host before the
-program is dispatched; with such rows the verification is a second program per row bucket,
-compiled on first use. With ``self``, a draft program (a decode
+outputs) has its drafts cut before the first token the grammar refuses and its mask at every
+position, filled on the host before the verification is dispatched (drafts from the device
+are read back for it first); with such rows the verification is a second program per row
+bucket, compiled on first use. With ``self``, a draft program (a decode
 loop of the first layers, greedy) runs first on the same rows and pages, and its tokens are
 written into the step's token array on device: nothing goes back to the host in between.
 ``draft_model`` does the same with a second model over its own pool (`DraftModel`).
@@ -129,27 +130,47 @@ class Verified:
         return out
 
 
-def _masks(runner, rows, r: int):
-    """The grammar masks of ``rows`` (in a bucket of r) per position, as `steps._verify`
-    takes them, filled on llguidance's threads: position j of a row allows what its grammar
-    allows after its first j drafts. None when no row has a grammar."""
-    grammar = [(i, row) for i, row in enumerate(rows) if row.request.grammar is not None]
+def _masks(runner, rows, r: int, drafted: list):
+    """The grammar masks of ``rows`` (in a bucket of r; ``drafted``: each row's drafts) per
+    position, as `steps._verify` takes them, filled on llguidance's threads: position j of a
+    row allows what its grammar allows after its first j drafts. None without a grammar."""
+    grammar = [i for i, row in enumerate(rows) if row.request.grammar is not None]
     if not grammar:
         return None
     k1 = runner.spec_k + 1
     words = np.zeros((r * k1, bitmask_words(runner.grammars.vocab_size)), np.int32)
     masked = np.zeros((r, k1), bool)
     runner.grammars.fill_with_drafts(
-        [(row.request.grammar, i * k1, row.tokens[1:]) for i, row in grammar], words)
-    for i, row in grammar:
-        masked[i, :row.num_draft + 1] = True
-    return words.reshape(r, k1, -1), masked
+        [(rows[i].request.grammar, i * k1, drafted[i]) for i in grammar], words)
+    for i in grammar:
+        masked[i, :len(drafted[i]) + 1] = True
+    words = words.reshape(r, k1, -1)
+    # Past a draft that completes the grammar llguidance writes nothing: those positions stay
+    # unmasked (their token is never taken: the request ends at the completing draft).
+    return words, masked & words.any(axis=-1)
 
 
-def _inputs(runner, rows, cu_q_lens):
-    """Verification inputs of ``rows`` in a row bucket: (positions in the step i32[R, K + 1],
-    drafts i32[R, K], num_draft i32[R], keys, SamplingArrays, banned ids per position, grammar
-    masks per position or None)."""
+def _drafted(rows, drafts) -> list:
+    """Each row's drafts (``drafts``: the device's, or None: the rows' own), those of a row
+    with a grammar cut before the first token it refuses (n-gram drafts already are; the
+    device's are read back for such rows, which waits for the draft program)."""
+    host = None
+    if drafts is not None and any(r.request.grammar is not None and r.num_draft for r in rows):
+        host = np.asarray(drafts)
+    out = []
+    for i, row in enumerate(rows):
+        mine = list(row.tokens[1:]) if drafts is None else \
+            [] if host is None else [int(t) for t in host[i, :row.num_draft]]
+        if row.request.grammar is not None and mine:
+            mine = mine[:row.request.grammar.valid_prefix(mine)]
+        out.append(mine if drafts is None or row.request.grammar is not None else None)
+    return out
+
+
+def _inputs(runner, rows, cu_q_lens, drafts=None):
+    """Verification inputs of ``rows`` in a row bucket (``drafts``: the device's, or None):
+    (positions in the step i32[R, K + 1], drafts i32[R, K], num_draft i32[R], keys,
+    SamplingArrays, banned ids per position, grammar masks per position or None)."""
     k = runner.spec_k
     r = fit(len(rows), runner.row_buckets)
     idx = np.zeros((r, k + 1), np.int32)
@@ -157,16 +178,18 @@ def _inputs(runner, rows, cu_q_lens):
     num = np.zeros(r, np.int32)
     banned = np.full((r, k + 1, MAX_BANNED), -1, np.int32)
     eos = runner.model.config.eos_token_ids
+    drafted = _drafted(rows, drafts)
     for i, row in enumerate(rows):
-        d, seq = row.num_draft, row.request
+        seq = row.request
+        d = row.num_draft if drafted[i] is None else len(drafted[i])
         at = int(cu_q_lens[row.slot])
         idx[i, :d + 1] = np.arange(at, at + d + 1)
-        draft[i, :d], num[i] = row.tokens[1:], d
+        draft[i, :d], num[i] = drafted[i] or 0, d
         for j in range(d + 1):  # stop ids stay banned until min_tokens are out
             ids = seq.sampling_params.banned_ids(seq.num_output_tokens + j, eos)
             banned[i, j, :len(ids)] = ids
     keys, arrays = runner.sampling([(i, row.request) for i, row in enumerate(rows)], rows=r)
-    return idx, draft, num, keys, arrays, banned, _masks(runner, rows, r)
+    return idx, draft, num, keys, arrays, banned, _masks(runner, rows, r, drafted)
 
 
 def _logprobs(rows, tokens, logits):
@@ -178,7 +201,7 @@ def _logprobs(rows, tokens, logits):
 def dispatch_verify(runner, rows, batch: StepBatch, hidden, drafts=None) -> Verified:
     """Dispatches the verification of the speculating ``rows`` of a step over ``batch``
     (``drafts``: the device's, for self-speculation; else the rows' own)."""
-    idx, draft, num, keys, arrays, banned, mask = _inputs(runner, rows, batch.cu_q_lens)
+    idx, draft, num, keys, arrays, banned, mask = _inputs(runner, rows, batch.cu_q_lens, drafts)
     tokens, logits = runner.steps.verify(runner.model.params, take_rows(hidden, idx),
                                          draft if drafts is None else drafts, num, keys,
                                          arrays, banned, mask)
@@ -212,7 +235,7 @@ def launch_spec_step(runner, rows, version):
     drafts = None
     if runner.drafts_on_device:
         batch, drafts = draft_on_device(runner, rows, batch)
-    idx, draft, num, keys, arrays, banned, mask = _inputs(runner, rows, batch.cu_q_lens)
+    idx, draft, num, keys, arrays, banned, mask = _inputs(runner, rows, batch.cu_q_lens, drafts)
     tokens, logits, runner.state = runner.steps.spec_step(
         runner.model.params, runner.state, batch, idx, draft if drafts is None else drafts,
         num, keys, arrays, banned, mask)

@@ -25,12 +25,13 @@ token) with one sample stream, no logits processor, no prompt logprobs and
 sequences; and until its acceptance rate is judged too low
 (`SpeculativeConfig.min_acceptance_rate` after ``JUDGE_AFTER`` x k drafted tokens).
 
-Structured outputs speculate with ``ngram``: the drafts are cut before the first token the
-grammar would not take, and the verification masks each position with the grammar's state
-after the drafts before it (`jaxkv.engine.spec_runner`), so every emitted token is one the
-grammar allows and the target samples from the masked distribution. With ``self`` and
-``draft_model`` the drafts appear on the device, after the masks would be needed, so a
-constrained sequence decodes without drafts (its step masks it as any other).
+Structured outputs speculate too: the drafts are cut before the first token the grammar would
+not take, and the verification masks each position with the grammar's state after the drafts
+before it (`jaxkv.engine.spec_runner`), so every emitted token is one the grammar allows and
+the target samples from the masked distribution. n-gram drafts are cut here; the device's
+(``self``, ``draft_model``) are read back before the verification is dispatched, which then
+waits for the draft program (only in steps with such a sequence), and the drafts cut there
+count as drafted and not accepted.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ class Speculator:
         sp = req.sampling_params
         return (self.config is not None and req.speculating and sp.speculate
                 and not sp.uses_processors and not req.forks and not req.needs_prompt_logits
-                and (req.grammar is None or not self.on_device)
                 and req.num_pending_tokens == 1 and req.num_computed_tokens >= req.prefill_end)
 
     def propose(self, req, room: int) -> tuple[int, ...]:

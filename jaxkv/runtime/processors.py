@@ -19,9 +19,10 @@ logits, edits them and scatters them back. In vLLM's order (its V1 sampler):
 
 Then temperature, top-k/top-p and the draw (`jaxkv.runtime.sampling`). Logprobs stay those of
 the raw logits (vLLM's default). Only the rows with processors are gathered (R of them, a power
-of 4), edited and drawn again, after the step drew every row: the others keep that token. A
-row with a grammar and nothing else has no entries, and a batch whose rows all are so skips
-the entries' gather and scatter (L = 0); without a grammar, no mask is shipped.
+of 4 or the whole batch), edited and drawn again, after the step drew every row: the others
+keep that token. A row with a grammar and nothing else has no entries, and a batch whose rows
+all are so skips the entries' gather and scatter (L = 0); without a grammar, no mask is
+shipped.
 """
 
 from __future__ import annotations

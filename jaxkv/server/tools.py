@@ -27,7 +27,7 @@ import json
 import uuid
 
 from jaxkv.server.protocol import FieldError
-from jaxkv.server.tool_scan import PartialCall, scan_calls
+from jaxkv.server.tool_scan import CallScanner, PartialCall, scan_calls
 from jaxkv.structured.params import StructuredOutputsParams
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -134,20 +134,24 @@ def _region(parser: str, text: str) -> tuple[int, int] | None:
 def _complete(call: PartialCall, text: str) -> bool:
     if not call.closed or not isinstance(call.name, str):
         return False
-    try:
-        json.loads(call.arguments(text) or "{}")
+    if call.quoted:
         return True
+    try:
+        json.loads(call.arguments(text))
     except ValueError:
         return False
+    return True
 
 
 def _found(text: str, start: int, parser: str | None) -> list[dict]:
-    """The calls in ``text[start:]`` if all of them are complete (else none), each with its
-    arguments' text as written."""
-    calls = scan_calls(text, start)
-    if not calls or not all(_complete(c, text) for c in calls):
-        return []
-    return [_call(c.name, c.arguments(text) or "{}", parser) for c in calls]
+    """The complete calls that ``text[start:]`` begins with (what follows them is ignored),
+    each with its arguments' text as written."""
+    calls = []
+    for call in scan_calls(text, start):
+        if not _complete(call, text):
+            break
+        calls.append(_call(call.name, call.arguments(text), parser))
+    return calls
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[dict]]:
@@ -170,6 +174,7 @@ class ToolReplies:
         self.parser, self.parallel = parser, parallel
         self._sent: dict[int, int] = {}  # choice index -> characters of content streamed
         self._streams: dict[int, dict[int, int]] = {}  # its calls' arguments streamed
+        self._scanners: dict[int, CallScanner] = {}
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The reply message and its finish_reason, for a whole output."""
@@ -230,10 +235,11 @@ class ToolReplies:
         """The calls' new pieces: a call's first entry once its name is complete (its id,
         name and the arguments so far), then what its arguments grew by."""
         sent = self._streams.setdefault(index, {})  # call -> characters of arguments sent
-        calls = scan_calls(text, start)
+        scanner = self._scanners.setdefault(index, CallScanner(start))
+        calls = scanner.feed(text)  # (reads only what is new: a long reply costs O(length))
         out = []
         for i, call in enumerate(calls[:1] if self.parallel is False else calls):
-            if call.name is None:
+            if not isinstance(call.name, str):
                 break  # (calls come in order)
             args = call.arguments(text)
             if call.end is None and args and args[0] not in '{["':
@@ -250,8 +256,8 @@ def _safe_prefix(parser: str, text: str) -> int:
     """How much of ``text`` is surely content: everything before a call's marker, or before a
     tail that may still become one (all of it, for a reply that opens a JSON object)."""
     head = text.lstrip()
-    if parser == "llama3_json" and head and (head.startswith("{") or head.startswith(
-            _MARKERS[parser]) or _MARKERS[parser].startswith(head)):
+    if parser == "llama3_json" and (head.startswith("{") or _MARKERS[parser].startswith(
+            head[:len(_MARKERS[parser])])):  # (whitespace alone may still open a call)
         return 0
     marker = _MARKERS[parser]
     at = text.find(marker)
