@@ -151,19 +151,21 @@ def _masks(runner, rows, r: int, drafted: list):
 
 
 def _drafted(rows, drafts) -> list:
-    """Each row's drafts (``drafts``: the device's, or None: the rows' own), those of a row
-    with a grammar cut before the first token it refuses (n-gram drafts already are; the
-    device's are read back for such rows, which waits for the draft program)."""
+    """Each row's drafts to verify: its own (n-gram drafts, already cut for a grammar), or,
+    with ``drafts`` from the device, None (they stand as drafted) except for a row with a
+    grammar: its drafts are read back (which waits for the draft program) and cut before the
+    first token the grammar refuses."""
+    if drafts is None:
+        return [list(row.tokens[1:]) for row in rows]
     host = None
-    if drafts is not None and any(r.request.grammar is not None and r.num_draft for r in rows):
+    if any(r.request.grammar is not None and r.num_draft for r in rows):
         host = np.asarray(drafts)
     out = []
     for i, row in enumerate(rows):
-        mine = list(row.tokens[1:]) if drafts is None else \
-            [] if host is None else [int(t) for t in host[i, :row.num_draft]]
-        if row.request.grammar is not None and mine:
-            mine = mine[:row.request.grammar.valid_prefix(mine)]
-        out.append(mine if drafts is None or row.request.grammar is not None else None)
+        grammar = row.request.grammar
+        mine = [int(t) for t in host[i, :row.num_draft]] if grammar and row.num_draft else []
+        out.append(None if grammar is None else mine[:grammar.valid_prefix(mine)] if mine
+                   else [])
     return out
 
 

@@ -170,16 +170,8 @@ def build_processors(rows, num_rows: int, grammars=None) -> LogitsProcessors:
         width *= 2
     constrained = [(r[5], i) for i, r in enumerate(rows) if r[5] is not None]
     words = bitmask_words(grammars.vocab_size) if constrained else 0
-    n = _row_bucket(len(rows), num_rows)
-    at = np.full(n, num_rows, np.int32)  # padding rows: dropped
-    at[:len(rows)] = [r[0] for r in rows]
-    p = LogitsProcessors(
-        rows=at, ids=np.full((n, width), -1, np.int32), bias=np.zeros((n, width), np.float32),
-        counts=np.zeros((n, width), np.int32),
-        seen=np.zeros((n, width), bool), allowed=np.zeros((n, width), bool),
-        restrict=np.zeros(n, bool), repetition=np.ones(n, np.float32),
-        frequency=np.zeros(n, np.float32), presence=np.zeros(n, np.float32),
-        mask=np.zeros((n, words), np.int32), masked=np.zeros(n, bool))
+    p = _blank(_row_bucket(len(rows), num_rows), width, words, num_rows)
+    p.rows[:len(rows)] = [r[0] for r in rows]
     if constrained:
         grammars.fill(constrained, p.mask)
         p.masked[[i for _, i in constrained]] = True
@@ -193,15 +185,19 @@ def build_processors(rows, num_rows: int, grammars=None) -> LogitsProcessors:
     return p
 
 
+def _blank(n: int, width: int, words: int, num_rows: int) -> LogitsProcessors:
+    """Host processors of n padding rows (dropped: past the batch's ``num_rows``), ``width``
+    entries and ``words`` mask words each, editing nothing."""
+    return LogitsProcessors(
+        rows=np.full(n, num_rows, np.int32), ids=np.full((n, width), -1, np.int32),
+        bias=np.zeros((n, width), np.float32), counts=np.zeros((n, width), np.int32),
+        seen=np.zeros((n, width), bool), allowed=np.zeros((n, width), bool),
+        restrict=np.zeros(n, bool), repetition=np.ones(n, np.float32),
+        frequency=np.zeros(n, np.float32), presence=np.zeros(n, np.float32),
+        mask=np.zeros((n, words), np.int32), masked=np.zeros(n, bool))
+
+
 def idle_masks(rows: int, num_rows: int, vocab_size: int) -> LogitsProcessors:
     """Processors of ``rows`` padding rows with a grammar's mask and no entries (what a batch
     of constrained rows runs): compiling `sample_processed` ahead with them edits nothing."""
-    z = np.zeros((rows, 0))
-    return LogitsProcessors(
-        rows=np.full(rows, num_rows, np.int32), ids=z.astype(np.int32),
-        bias=z.astype(np.float32), counts=z.astype(np.int32), seen=z.astype(bool),
-        allowed=z.astype(bool), restrict=np.zeros(rows, bool),
-        repetition=np.ones(rows, np.float32), frequency=np.zeros(rows, np.float32),
-        presence=np.zeros(rows, np.float32),
-        mask=np.zeros((rows, bitmask_words(vocab_size)), np.int32),
-        masked=np.zeros(rows, bool))
+    return _blank(rows, 0, bitmask_words(vocab_size), num_rows)

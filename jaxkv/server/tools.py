@@ -108,13 +108,12 @@ def constraint(tools: list[dict], choice, parallel: bool | None) -> StructuredOu
     return StructuredOutputsParams(json=schema, whitespace_pattern=CALL_SPACE)
 
 
-def _call(name: str, arguments, parser: str | None = None) -> dict:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                  ensure_ascii=False)
+def _call(name: str, arguments: str, parser: str | None = None) -> dict:
     # Mistral's templates refuse ids that are not 9 letters or digits
     call_id = uuid.uuid4().hex[:9] if parser == "mistral" else \
         f"chatcmpl-tool-{uuid.uuid4().hex}"
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _region(parser: str, text: str) -> tuple[int, int] | None:

@@ -134,27 +134,27 @@ class GrammarCompiler:
     def fill(self, rows: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         """Fills ``bitmask[row]`` for every (matcher, row), in parallel on llguidance's
         threads."""
-        ll = _llguidance()
         if len(rows) == 1:
             rows[0][0].fill(bitmask, rows[0][1])
             return
+        _llguidance().numpy.fill_next_token_bitmask_par(
+            self._threads(), [(m.ll, r) for m, r in rows], bitmask)
+
+    def _threads(self):
+        """llguidance's thread pool for filling masks (made on first use)."""
         if self._executor is None:
-            self._executor = ll.LLExecutor()
-        ll.numpy.fill_next_token_bitmask_par(self._executor, [(m.ll, r) for m, r in rows],
-                                             bitmask)
+            self._executor = _llguidance().LLExecutor()
+        return self._executor
 
     def fill_with_drafts(self, rows: list[tuple[Matcher, int, list[int]]],
                          bitmask: np.ndarray) -> None:
         """For every (matcher, row, drafts): fills ``bitmask[row + j]``, j = 0..len(drafts),
         with the tokens allowed after ``drafts[:j]`` (the masks of a speculating row's
         positions; each matcher's state is kept), in parallel on llguidance's threads."""
-        ll = _llguidance()
-        if self._executor is None:
-            self._executor = ll.LLExecutor()
         drafting = [(m.ll, r, [int(t) for t in d]) for m, r, d in rows if len(d)]
         if drafting:
-            ll.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting,
-                                                                   bitmask)
+            _llguidance().numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                self._threads(), drafting, bitmask)
         plain = [(m, r) for m, r, d in rows if not len(d)]
         if plain:
             self.fill(plain, bitmask)
