@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serving import MODEL, Server, free_port
 
 import jaxkv
@@ -362,3 +364,28 @@ def test_a_disaggregated_engine_serves_and_counts_its_transfers(server):
         llm.engine.check()
     finally:
         s.close()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_sse_deltas_join_to_the_whole_text(server, data):
+    """Over SSE, random stop strings (cut from the greedy reply, so they are hit), logprobs (one
+    token a step), n > 1: each choice's stream is at every chunk a prefix of the whole reply,
+    and adds up to it; nothing of a stop string that ends the text is ever sent."""
+    prompt = data.draw(st.sampled_from(PROMPTS))
+    reply = offline(server.oracle, prompt, max_tokens=24, temperature=0)
+    stops = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, max(0, len(reply) - 2)))
+        stops.append(reply[at:at + data.draw(st.integers(1, 10))] or "x")
+    n = data.draw(st.sampled_from([1, 2]))
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, stop=stops, n=n, seed=3,
+                  temperature=0 if n == 1 else 0.8, logprobs=data.draw(st.sampled_from([None, 2])))
+    whole = {c.index: c.text for c in server.client.completions.create(**kwargs).choices}
+    sent = {i: "" for i in range(n)}
+    for chunk in server.client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            sent[c.index] += c.text
+            assert whole[c.index].startswith(sent[c.index]), (stops, sent, whole)
+    assert sent == whole

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.runtime.spec_verify import target_probs, verify
+from jaxkv.runtime.sampling import SamplingArrays, sample_tokens
+from jaxkv.runtime.spec_verify import accept_drawn, target_probs, verify
 
 V, K = 6, 3
 N = 40_000  # trials per distribution check
@@ -82,6 +83,54 @@ def test_emitted_tokens_are_distributed_as_the_target_alone(proposer, filters):
     if proposer == "ngram":
         assert _tv(tokens[kept, 1], p[1]) < 2 * TV_LIMIT
     assert 1 <= emitted.min() and emitted.max() <= K + 1
+
+
+def _coupled_trials(p_logits, draft, seed, temperature=1.0, top_k=0, top_p=1.0):
+    """The engine's rule over N rows: each position drawn by the plain sampler (the row's key
+    at that output index), drafts kept while they equal the draws (`accept_drawn`)."""
+    k1 = K + 1
+    keys = jax.vmap(lambda i: jax.random.key_data(jax.random.PRNGKey(i)))(
+        jnp.arange(seed * N, (seed + 1) * N)).astype(jnp.uint32)
+    rows = N * k1
+    sampling = SamplingArrays.build([temperature] * rows, [top_k] * rows, [top_p] * rows,
+                                    np.tile(np.arange(k1), N), rows)
+    drawn = jax.jit(sample_tokens)(jnp.tile(p_logits, (N, 1)), jnp.repeat(keys, k1, axis=0),
+                                   sampling).reshape(N, k1)
+    tokens, emitted = jax.jit(accept_drawn)(drawn, draft, jnp.full(N, K))
+    return np.asarray(tokens), np.asarray(emitted), np.asarray(drawn), keys
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=3, temperature=0.7),
+                                     dict(top_p=0.8)])
+def test_coupled_rule_emits_the_target_distribution_and_the_plain_draws(filters):
+    p_logits, _ = _setup(1)
+    p = np.asarray(_probs(p_logits, **filters))
+    x = int(np.argsort(p[0])[-2])  # a likely, not the likeliest, first draft
+    draft = jnp.broadcast_to(jnp.asarray([x, 1, 2], jnp.int32), (N, K))
+    tokens, emitted, drawn, keys = _coupled_trials(p_logits, draft, seed=6, **filters)
+    assert _tv(tokens[:, 0], p[0]) < TV_LIMIT
+    kept = emitted >= 2
+    assert _tv(tokens[kept, 1], p[1]) < 2 * TV_LIMIT
+    np.testing.assert_allclose(kept.mean(), p[0][x], rtol=0, atol=0.01)  # min(1, p/q), q = 1
+    # Every emitted token is the draw a plain step makes at that position with that key: a
+    # sample's tokens are the same with or without speculation.
+    for i in range(3):
+        one = SamplingArrays.build([filters.get("temperature", 1.0)] * N,
+                                   [filters.get("top_k", 0)] * N, [filters.get("top_p", 1.0)] * N,
+                                   [i] * N, N)
+        plain = np.asarray(sample_tokens(jnp.tile(p_logits[i:i + 1], (N, 1)), keys, one))
+        live = emitted > i
+        assert (tokens[live, i] == plain[live]).all() and (tokens[~live, i] == -1).all()
+    assert (drawn[:, 0] == tokens[:, 0]).all()
+
+
+def test_coupled_rule_keeps_drafts_only_while_they_match():
+    drawn = jnp.asarray([[4, 5, 6, 7], [4, 9, 6, 7], [4, 5, 6, 7], [1, 2, 3, 0]], jnp.int32)
+    draft = jnp.asarray([[4, 5, 6], [4, 5, 6], [4, 5, 6], [1, 2, 3]], jnp.int32)
+    tokens, emitted = accept_drawn(drawn, draft, jnp.asarray([3, 3, 1, 0]))
+    assert np.asarray(tokens).tolist() == [[4, 5, 6, 7], [4, 9, -1, -1], [4, 5, -1, -1],
+                                           [1, -1, -1, -1]]
+    assert np.asarray(emitted).tolist() == [4, 2, 2, 1]
 
 
 def test_a_biased_acceptance_rule_fails_the_same_check():

@@ -10,7 +10,6 @@ speculation, and a deliberately biased acceptance rule fails the same statistic.
 import dataclasses
 from collections import Counter
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from jaxkv import Engine, SamplingParams
 from jaxkv.config import SpeculativeConfig
 from jaxkv.engine.speculation import ngram_drafts
 from jaxkv.runtime import steps as steps_module
-from jaxkv.runtime.sampling import inverse_cdf
 
 SHAPE = dict(page_size=4, num_pages=40, max_num_seqs=4, max_model_len=96,
              max_num_batched_tokens=32)
@@ -221,23 +219,18 @@ def test_opt_out_and_processors_do_not_speculate(plain_model):
     assert all(o.metrics.num_draft_tokens == 0 for o in got.values())
 
 
-def _resampling_verify(p, draft, num_draft, keys, step, q=None):
-    """A wrong rule (the common mistake): a rejected draft is replaced by a draw from p
-    instead of from the residual max(p - q, 0)."""
-    r, k1, v = p.shape
-    p_draft = jnp.take_along_axis(p[:, :-1], draft[..., None], axis=-1)[..., 0]
-    u = jax.vmap(lambda key, s: jax.random.uniform(jax.random.fold_in(key, s), (k1, 2)))(
-        keys, step)
-    ok = (u[:, :-1, 0] < p_draft) & (jnp.arange(k1 - 1)[None] < num_draft[:, None])
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    p_at = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
-    u_at = jnp.take_along_axis(u[:, :, 1], accepted[:, None], axis=1)[:, 0]
-    drawn = inverse_cdf(jnp.log(p_at), u_at)
-    cols = jnp.arange(k1)[None]
-    padded = jnp.concatenate([draft, jnp.zeros((r, 1), draft.dtype)], axis=1)
-    tokens = jnp.where(cols < accepted[:, None], padded,
-                       jnp.where(cols == accepted[:, None], drawn[:, None], -1))
-    return tokens.astype(jnp.int32), accepted + 1
+def _trust_first_draft(drawn, draft, num_draft):
+    """A wrong rule: the first draft is kept unchecked (a proposer trusted for one token), the
+    rest while they match the draws; drafts are over-weighted."""
+    k = draft.shape[1]
+    pos = jnp.arange(k)[None]
+    ok = ((drawn[:, :k] == draft) | (pos == 0)) & (pos < num_draft[:, None])
+    kept = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    padded = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)
+    at = jnp.take_along_axis(drawn, kept[:, None], axis=1)
+    cols = jnp.arange(k + 1)[None]
+    tokens = jnp.where(cols < kept[:, None], padded, jnp.where(cols == kept[:, None], at, -1))
+    return tokens.astype(jnp.int32), kept + 1
 
 
 def _tv(a: Counter, b: Counter) -> float:
@@ -252,19 +245,20 @@ TV_LIMIT = 0.08  # two samples of 2000 from the same 16-ish outcomes differ by ~
 def _continuations(model, prompt, spec):
     """(second, third) output tokens of N_SAMPLES seeded requests (the first comes from the
     prefill, which never speculates; the two after it from one verification of two drafts),
-    and the engine's stats."""
+    the tokens by seed, and the engine's stats."""
     engine = Engine(model, page_size=4, num_pages=512, max_num_seqs=32, max_model_len=64,
                     max_num_batched_tokens=256, speculative_config=spec)
     sp = dict(temperature=0.05, top_k=4, max_tokens=4, ignore_eos=True)
     for i in range(N_SAMPLES):
         engine.add_request(str(i), prompt_token_ids=prompt,
                            sampling_params=SamplingParams(seed=i, **sp))
-    seen = Counter()
+    seen, by_seed = Counter(), {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 seen[tuple(out.outputs[0].token_ids[1:3])] += 1
-    return seen, engine.stats()
+                by_seed[out.request_id] = out.outputs[0].token_ids
+    return seen, by_seed, engine.stats()
 
 
 @pytest.fixture
@@ -280,20 +274,22 @@ def cycling_prompt(plain_model):
 def test_sampled_continuations_are_distributed_as_without_speculation(plain_model,
                                                                      cycling_prompt,
                                                                      monkeypatch):
-    plain, _ = _continuations(plain_model, cycling_prompt, None)
+    plain, plain_tokens, _ = _continuations(plain_model, cycling_prompt, None)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 0.0,
             "disable_by_batch_size": None, "min_draft_tokens": 0}  # every row that can
-    fast, stats = _continuations(plain_model, cycling_prompt, spec)
+    fast, fast_tokens, stats = _continuations(plain_model, cycling_prompt, spec)
     assert len(plain) >= 4  # several outcomes, none a sure winner
     assert max(plain.values()) < 0.8 * N_SAMPLES
     assert stats.spec_accepted_tokens > N_SAMPLES // 4  # drafts were kept, and rejected
     assert stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert _tv(fast, plain) < TV_LIMIT
+    # More than the distribution: each seed's tokens are the ones it gets without speculation.
+    assert fast_tokens == plain_tokens
     # The same statistic catches a biased rule through the same engine.
-    monkeypatch.setattr(steps_module, "verify", _resampling_verify)
+    monkeypatch.setattr(steps_module, "accept_drawn", _trust_first_draft)
     steps_module.make_steps.cache_clear()  # so the programs trace the rule again
     try:
-        biased, _ = _continuations(plain_model, cycling_prompt, spec)
+        biased, _, _ = _continuations(plain_model, cycling_prompt, spec)
     finally:
         steps_module.make_steps.cache_clear()
     assert _tv(biased, plain) > 1.5 * TV_LIMIT
@@ -313,6 +309,75 @@ def test_warmup_compiles_every_speculative_program(plain_model, spec):
             logprobs=1 if i == 2 else None), 0) for i in range(3)])
     assert engine.stats().spec_verifications > 0
     assert compiles.count == 0
+
+
+@st.composite
+def seeded_traces(draw):
+    """A seeded sampled probe (prompt with repeats, so n-gram lookup drafts), a speculation
+    method with a batch-size cut-off, and companions arriving around it."""
+    cycle = draw(st.lists(st.integers(4, 96), min_size=2, max_size=5))
+    probe = SamplingParams(
+        n=draw(st.sampled_from([1, 2])), seed=draw(st.integers(0, 2**63)),
+        temperature=draw(st.sampled_from([0.3, 0.8, 1.0])),
+        top_k=draw(st.sampled_from([0, 5])), top_p=draw(st.sampled_from([1.0, 0.9])),
+        max_tokens=draw(st.integers(6, 20)), ignore_eos=True,
+        logprobs=draw(st.sampled_from([None, 1])))
+    spec = draw(st.sampled_from([NGRAM, SELF, DRAFT]))
+    spec = {**spec, "disable_by_batch_size": draw(st.sampled_from([None, 1, 2, 3]))}
+    companions = []
+    for i in range(draw(st.integers(1, 3))):
+        prompt = draw(st.lists(st.integers(4, 96), min_size=2, max_size=5)) * 2
+        sp = SamplingParams(temperature=draw(st.sampled_from([0, 0.9])),
+                            max_tokens=draw(st.integers(2, 20)), ignore_eos=True)
+        companions.append((f"c{i}", prompt, sp, draw(st.integers(0, 3))))
+    return cycle * draw(st.integers(2, 4)), probe, spec, companions
+
+
+def _check_seeded_probe(model, trace):
+    prompt, probe, spec, companions = trace
+    solo = [("probe", prompt, probe, 0)]
+    want, _ = _run(model, solo, None)
+    alone, _ = _run(model, solo, spec)
+    crowd, _ = _run(model, solo + companions, spec)
+    tokens = [c.token_ids for c in want["probe"].outputs]
+    assert [c.token_ids for c in alone["probe"].outputs] == tokens
+    assert [c.token_ids for c in crowd["probe"].outputs] == tokens
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=seeded_traces())
+def test_a_seeded_request_samples_the_same_alone_or_in_company(plain_model, trace):
+    """A seeded request's tokens depend only on its seed: the same without speculation, with
+    it alone, and beside companions that switch speculation off (disable_by_batch_size) and
+    on again as they come and go, for every method."""
+    _check_seeded_probe(plain_model, trace)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=seeded_traces())
+def test_a_seeded_request_samples_the_same_alone_or_in_company_sweep(plain_model, trace):
+    _check_seeded_probe(plain_model, trace)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SELF, DRAFT], ids=["ngram", "self", "draft"])
+def test_seeded_sampling_with_the_default_cut_off(plain_model, cycling_prompt, spec):
+    """The audit's case: temperature 0.8 (0.05 for n-gram lookup: the random model's flat
+    logits leave hotter samples without matches), seed 1234, the default
+    disable_by_batch_size (2), alone (speculating) and with two companions (not speculating
+    while they run)."""
+    temperature = 0.05 if spec["method"] == "ngram" else 0.8
+    spec = {k: v for k, v in spec.items() if k != "disable_by_batch_size"}
+    probe = [("probe", cycling_prompt, SamplingParams(temperature=temperature, seed=1234,
+                                                      max_tokens=24, ignore_eos=True), 0)]
+    company = [(f"c{i}", [30 + i, 31, 32], SamplingParams(temperature=0, max_tokens=8,
+                                                          ignore_eos=True), 2) for i in range(2)]
+    want, _ = _run(plain_model, probe, None)
+    alone, engine = _run(plain_model, probe, spec)
+    assert engine.stats().spec_verifications > 0
+    crowd, _ = _run(plain_model, probe + company, spec)
+    assert alone["probe"].outputs[0].token_ids == want["probe"].outputs[0].token_ids
+    assert crowd["probe"].outputs[0].token_ids == want["probe"].outputs[0].token_ids
 
 
 def _recording(draft):

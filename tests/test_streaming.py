@@ -3,7 +3,11 @@
 The tokenizer is the embedded model's byte-level BPE, which splits non-ASCII characters
 across tokens, so a token-by-token decode would emit broken characters."""
 
+import dataclasses
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jaxkv
 from jaxkv import Engine, RequestOutputKind, SamplingParams
@@ -158,3 +162,100 @@ def test_stop_strings_need_a_tokenizer(tiny_model):
         SamplingParams(output_kind="delta")
     assert SamplingParams(stop=["ab", "abcd"]).stop_buffer == 3
     assert SamplingParams(stop=["ab", "abcd"], include_stop_str_in_output=True).stop_buffer == 0
+
+
+def test_a_text_shorter_than_the_hold_sends_nothing(model):
+    """The audit's case: one token per step (logprobs), a stop string longer than the text so
+    far. Nothing of a stop string's start may go out before the text is past it."""
+    prompt = "the cat sat on the mat. the cat sat on the mat. the"
+    for stop in (" on the", " cid is"):
+        sp = SamplingParams(temperature=0, max_tokens=30, stop=[stop], logprobs=2,
+                            output_kind=RequestOutputKind.DELTA)
+        outs = _serve(model, sp, prompt)
+        whole = _serve(model, dataclasses.replace(sp, output_kind=RequestOutputKind.CUMULATIVE),
+                       prompt)[-1].outputs[0].text
+        _check_stream([o.outputs[0].text for o in outs], whole)
+
+
+def _check_stream(deltas: list[str], whole: str) -> None:
+    """Every prefix of the stream is a prefix of the final text, and the whole stream is it."""
+    sent = ""
+    for d in deltas:
+        sent += d
+        assert whole.startswith(sent), (deltas, whole)
+    assert sent == whole, (deltas, whole)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    """One plain engine and one speculating (n-gram) engine, shared by every example."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+            "min_draft_tokens": 1}
+    return {"plain": Engine(model, **ENGINE), "ngram": Engine(model, **ENGINE,
+                                                              speculative_config=spec)}
+
+
+@st.composite
+def stream_cases(draw, text):
+    """Requests with stop strings cut from the reference text (so they are hit) or not, with
+    and without logprobs (one token a step), include_stop_str_in_output, n > 1, min_tokens."""
+    cases = []
+    for _ in range(draw(st.integers(1, 3))):
+        stops = []
+        for _ in range(draw(st.integers(0, 3))):
+            at = draw(st.integers(0, len(text) - 2))
+            stops.append(text[at:at + draw(st.integers(1, 12))])
+        stops += draw(st.lists(st.sampled_from(["never-seen-anywhere", "q", "\n", ". "]),
+                               max_size=1))
+        n = draw(st.sampled_from([1, 1, 2]))
+        cases.append(dict(
+            stop=stops or None, n=n, seed=draw(st.integers(0, 2**31)),
+            temperature=draw(st.sampled_from([0.0, 0.7])) if n == 1 else 0.8,
+            max_tokens=draw(st.integers(1, 40)), ignore_eos=draw(st.booleans()),
+            logprobs=draw(st.sampled_from([None, 2])),
+            include_stop_str_in_output=draw(st.booleans()),
+            min_tokens=draw(st.sampled_from([0, 0, 3]))))
+    return draw(st.sampled_from(["plain", "ngram"])), cases
+
+
+def _check_stream_cases(engines, kind, cases):
+    engine = engines[kind]
+    for i, kw in enumerate(cases):  # each request twice: streamed, and whole (same seed)
+        engine.add_request(f"d{i}", prompt="Once upon a time", sampling_params=SamplingParams(
+            **kw, output_kind=RequestOutputKind.DELTA))
+        engine.add_request(f"w{i}", prompt="Once upon a time", sampling_params=SamplingParams(
+            **kw, output_kind=RequestOutputKind.FINAL_ONLY))
+    deltas, whole = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id.startswith("d"):
+                for c in out.outputs:
+                    deltas.setdefault((out.request_id[1:], c.index), []).append(c)
+            else:
+                whole.update({(out.request_id[1:], c.index): c for c in out.outputs})
+        engine.check()
+    assert engine.stats().kv_pages_used == 0
+    assert deltas.keys() == whole.keys() and whole
+    for key, pieces in deltas.items():
+        final = whole[key]
+        assert sum((c.token_ids for c in pieces), []) == final.token_ids
+        _check_stream([c.text for c in pieces], final.text)
+        assert pieces[-1].finish_reason == final.finish_reason
+        assert pieces[-1].stop_reason == final.stop_reason
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_streamed_deltas_join_to_the_final_text(engines, reference, data):
+    kind, cases = data.draw(stream_cases(reference[1]))
+    _check_stream_cases(engines, kind, cases)
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_streamed_deltas_join_to_the_final_text_sweep(engines, reference, data):
+    kind, cases = data.draw(stream_cases(reference[1]))
+    _check_stream_cases(engines, kind, cases)

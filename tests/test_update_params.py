@@ -252,3 +252,24 @@ def test_replicas_and_llm_update_every_engine(models):
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(12), use_tqdm=False)
     assert tokens_of(outs) == want and llm.engine.weight_version == 3
     assert llm.model.params is new.params
+
+
+def test_a_quantized_llm_keeps_what_it_serves_after_a_float_update(models):
+    """A float Model given to a quantized LLM: the engine serves it quantized, and so does
+    ``llm.model`` (which then updates and builds an LLM like any quantized model)."""
+    old, new = models
+    llm = jaxkv.LLM(old, **SHAPE, quantization="int8", warmup=False)
+    llm.update_params(new)
+    want = tokens_of(llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(12),
+                                  use_tqdm=False))
+    oracle = jaxkv.quantize(new, "int8")
+    assert llm.model.quantization == oracle.quantization
+    assert jax.tree.structure(llm.model.params) == jax.tree.structure(oracle.params)
+    for a, b in zip(jax.tree.leaves(llm.model.params), jax.tree.leaves(oracle.params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert tokens_of(serve(Engine(oracle, **SHAPE), PROMPTS, "q")) == want
+    llm.update_params(llm.model)  # its own model: the same structure as what it serves
+    again = jaxkv.LLM(llm.model, **SHAPE, warmup=False)
+    assert tokens_of(again.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(12),
+                                    use_tqdm=False)) == want

@@ -217,7 +217,11 @@ class LLM:
                       in_flight: str = "restart") -> None:
         """Serves new weights (a `jaxkv.Model` or a params pytree of the loaded model's
         structure) from the next generate on, compiling nothing; see `Engine.update_params`.
-        ``model`` then holds them too."""
+        ``model`` then holds what the engines serve: a float `Model` given to a quantized LLM
+        is quantized (once, for every engine) and ``model`` holds the quantized params."""
+        scheme = self.model.quantization
+        if isinstance(params, Model) and scheme is not None and params.quantization is None:
+            params = quantize(params, scheme)
         self.engine.update_params(params, version=version, in_flight=in_flight)
         new = params.params if isinstance(params, Model) else params
         self.model = dataclasses.replace(self.model, params=new)

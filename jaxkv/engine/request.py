@@ -127,11 +127,10 @@ class Request:
         sp = self.sampling_params
         reason = sp.finish_reason(token, self.num_output_tokens, eos_token_ids)
         if self.grammar is not None and not self.grammar.consume(token):
-            # no token was allowed (the logits processors banned every one the grammar
-            # allows), or the mask was wrong
-            self.error = (f"structured_outputs: token {token} is not allowed here "
-                          f"({self.grammar.error}); did logit_bias, allowed_token_ids or "
-                          "bad_words ban every token the grammar allows?")
+            # the logits processors banned every token the grammar allows, or llguidance
+            # cannot go on (a limit it hit): blame only the restrictions this request used
+            used = [f for f in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(sp, f)]
+            self.error = self.grammar.refusal(token, used)
             return "error"
         if self.detok is not None and (reason != "stop" or sp.include_stop_str_in_output):
             self.detok.push(token)  # a stop token's text only with include_stop_str_in_output
@@ -154,11 +153,12 @@ class Request:
         return None
 
     def text(self, finished: bool) -> str:
-        """The output text; an unfinished one holds back what a stop string may still take."""
+        """The output text; an unfinished one holds back what a stop string may still take
+        (its last ``stop_buffer`` characters, all of it while it is shorter than that)."""
         if self.detok is None:
             return ""
         text, hold = self.detok.text, 0 if finished else self.sampling_params.stop_buffer
-        return text[:len(text) - hold] if hold else text
+        return text[:max(0, len(text) - hold)]
 
 
 def cache_namespace(salt: str | None, version: int | str | None) -> Hashable:

@@ -15,6 +15,15 @@ The target distribution is what `jaxkv.runtime.sampling` samples from: temperatu
 top-k / top-p threshold, with the row's banned ids masked. Random numbers come from the row's
 key folded with the output position, so a row's draws do not depend on the batch.
 
+Every proposer jaxkv runs is deterministic (n-gram lookup, greedy drafts), so the engine uses
+the coupled form of that rule (`accept_drawn`): the sampler draws each of the K + 1 positions
+exactly as a plain step would (the row's key folded with that output index), and a draft is
+kept while it equals the draw. For a one-hot q this is the rule above: x is kept with
+probability p(x), and a rejection emits the draw, which then follows p without x, the
+residual. Its tokens are also the ones sampling without speculation would give, so a seeded
+request's output does not depend on whether (or how far) it speculated. `verify` keeps the
+general rule, for a proposer whose drafts are themselves sampled (q not one-hot).
+
 Axes: R rows, K draft tokens per row (a row may propose fewer: ``num_draft``), V vocabulary.
 """
 
@@ -58,6 +67,20 @@ def _uniforms(keys, step, k: int):
                     jax.random.uniform(b, dtype=jnp.float32))
         return jax.vmap(at)(jnp.arange(k + 1))
     return jax.vmap(row)(keys, step)
+
+
+def accept_drawn(drawn, draft, num_draft):
+    """Keeps each row's drafts while they equal the sampler's draws at their positions.
+
+    ``drawn`` i32[R, K + 1]: the token a plain step samples at the row's last token and after
+    each draft (the row's key folded with that output index); ``draft`` i32[R, K];
+    ``num_draft`` i32[R] (<= K). Returns (tokens i32[R, K + 1]: the kept drafts, then the draw
+    after them, -1 after; emitted i32[R]: kept + 1), as `verify`."""
+    k = draft.shape[1]
+    ok = (drawn[:, :k] == draft) & (jnp.arange(k)[None] < num_draft[:, None])
+    kept = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [R]
+    cols = jnp.arange(k + 1)[None]
+    return jnp.where(cols <= kept[:, None], drawn, -1).astype(jnp.int32), kept + 1
 
 
 def verify(p, draft, num_draft, keys, step, q=None):

@@ -49,7 +49,7 @@ from jaxkv.kv import PagedKVState, pool_layers, rotate_queries, write_kv
 from jaxkv.runtime.batch import StepBatch
 from jaxkv.runtime.processors import apply_token_bitmask
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens, token_logprobs
-from jaxkv.runtime.spec_verify import target_probs, verify
+from jaxkv.runtime.spec_verify import accept_drawn
 from jaxkv.sharding import kv_sharding, sharded_attention
 
 MAX_STOP_IDS = 8  # stop ids (EOS included) a row can check on device (<= MAX_BANNED)
@@ -237,12 +237,8 @@ def _spec_step(graphdef, impl: str, mesh, params, state: PagedKVState, batch: St
     without drafts samples as a plain step would (same key, same draw). Returns (tokens
     i32[R, K + 1], logits f32[R * (K + 1), V], state)."""
     model, hidden, state = _ragged(graphdef, impl, mesh, params, state, batch)
-    tokens, logits, scores = _verified(model, hidden[idx.reshape(-1)], draft, num_draft, keys,
-                                       sampling, banned, mask)
-    r, k1 = idx.shape
-    plain = sample_tokens(scores.reshape(r, k1, -1)[:, 0], keys,
-                          sampling.replace(banned=banned[:, 0]))
-    tokens = tokens.at[:, 0].set(jnp.where(num_draft > 0, tokens[:, 0], plain))
+    tokens, logits, _ = _verified(model, hidden[idx.reshape(-1)], draft, num_draft, keys,
+                                  sampling, banned, mask)
     return tokens, logits, state
 
 
@@ -327,11 +323,13 @@ def _verified(model, hidden, draft, num_draft, keys, sampling: SamplingArrays, b
     if mask is not None:  # (a program of its own: only steps with a grammar row run it)
         words, masked = mask
         scores = apply_token_bitmask(logits, words.reshape(r * k1, -1), masked.reshape(-1))
-    per_position = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), sampling)
-    p = target_probs(scores, per_position.temperature, per_position.top_k, per_position.top_p,
-                     banned.reshape(r * k1, -1))
-    tokens, _ = verify(p.reshape(r, k1, -1), jnp.maximum(draft, 0), num_draft, keys,
-                       sampling.step)
+    # Each position drawn as a plain step draws it (the row's key at that output index), so
+    # the kept tokens are those sampling without speculation gives (`accept_drawn`).
+    per_position = jax.tree.map(lambda a: jnp.repeat(a, k1, axis=0), sampling).replace(
+        step=jnp.repeat(sampling.step, k1) + jnp.tile(jnp.arange(k1, dtype=jnp.int32), r),
+        banned=banned.reshape(r * k1, -1))
+    drawn = sample_tokens(scores, jnp.repeat(keys, k1, axis=0), per_position)
+    tokens, _ = accept_drawn(drawn.reshape(r, k1), draft, num_draft)
     return tokens, logits, scores
 
 
