@@ -190,6 +190,9 @@ def _add_serve_parser(subparsers) -> None:
                         "each key is a tenant with its own prefix-cache namespace")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="more keys, one per line (like --api-key)")
+    p.add_argument("--tokenizer-routes-need-key", action="store_true",
+                   help="with --api-key, /tokenize, /detokenize and /tokenizer_info need a key "
+                        "too (default: they answer without one, as vLLM's do)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json",
                                                                   "mistral"],
                    help="how tool calls look in the model's text, for tool_choice 'auto' "
@@ -213,7 +216,8 @@ def run_serve(args) -> int:
     llm = jaxkv.LLM(args.model, **settings)  # compiles every program first (--no-warmup: not)
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
           host=args.host, port=args.port, max_pending=args.max_pending, api_keys=keys,
-          tool_call_parser=args.tool_call_parser)
+          tool_call_parser=args.tool_call_parser,
+          tokenizer_routes_need_key=args.tokenizer_routes_need_key)
     return 0
 
 

@@ -146,3 +146,25 @@ def test_serve_takes_keys_from_flags_and_a_file(tmp_path):
         read_key_file(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="API key"):
         Tenants(("has space",))
+
+
+def test_tokenizer_routes_need_a_key_only_when_asked(model, keyed):
+    """As vLLM's, /tokenize, /detokenize and /tokenizer_info answer without a key by default;
+    --tokenizer-routes-need-key puts them behind the keys like /v1/*."""
+    calls = (("POST", "/tokenize", {"prompt": "hello"}), ("POST", "/detokenize",
+                                                          {"tokens": [5, 6]}),
+             ("GET", "/tokenizer_info", None))
+    for method, path, body in calls:
+        assert httpx.request(method, f"{keyed.url}{path}", json=body,
+                             timeout=60).status_code == 200, path
+    strict = Server(_llm(model), api_key=ALICE, api_keys=(ALICE,),
+                    tokenizer_routes_need_key=True)
+    try:
+        for method, path, body in calls:
+            r = httpx.request(method, f"{strict.url}{path}", json=body, timeout=60)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+            r = httpx.request(method, f"{strict.url}{path}", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {ALICE}"})
+            assert r.status_code == 200, (path, r.text[:300])
+    finally:
+        strict.close()

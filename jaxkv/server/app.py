@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from jaxkv.server.async_engine import AsyncEngine, QueueFullError
-from jaxkv.server.auth import TENANT, RequireKey, Tenants, cache_salt
+from jaxkv.server.auth import TENANT, TOKENIZER_ROUTES, RequireKey, Tenants, cache_salt
 from jaxkv.server.logprob_format import LogprobFormat
 from jaxkv.server.metrics import ServerMetrics
 from jaxkv.server.protocol import (
@@ -64,12 +64,25 @@ def _bad_field(message: str) -> str | None:
     return None
 
 
+def _constraint_error(field: str, message: str) -> tuple[str, str]:
+    """(field, why) of a grammar that does not compile, in the words of the field that asked
+    for it: "structured_outputs.json: x" is "structured_outputs: json: x" for
+    structured_outputs, "response_format: x" for response_format."""
+    kind, sep, why = message.removeprefix("structured_outputs.").partition(": ")
+    if not sep:
+        return field, message
+    return field, f"{kind}: {why}" if field == "structured_outputs" else why
+
+
 def build_app(llm, *, model_name: str, max_pending: int = 256,
               api_keys: tuple[str, ...] | list[str] = (),
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              tokenizer_routes_need_key: bool = False) -> FastAPI:
     """The app serving ``llm`` (a `jaxkv.LLM`, whose engine is any `EngineClient`): one engine
     loop thread for all connections. With ``api_keys``, /v1/* needs one of them, and each key
-    is a tenant with its own prefix-cache namespace (`jaxkv.server.auth`).
+    is a tenant with its own prefix-cache namespace (`jaxkv.server.auth`); /tokenize,
+    /detokenize and /tokenizer_info answer without one, as vLLM's do, unless
+    ``tokenizer_routes_need_key``.
     ``tool_call_parser`` (`jaxkv.server.tools.PARSERS`) reads tool calls in the model's text
     for ``tool_choice="auto"``; default: the format the chat template names, if any."""
     tenants = Tenants(api_keys)
@@ -94,7 +107,8 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
     app = FastAPI(title="jaxkv", version="0.1.0")
     app.state.engine = core
     if tenants.enabled:
-        app.add_middleware(RequireKey, tenants=tenants)
+        app.add_middleware(RequireKey, tenants=tenants,
+                           more=TOKENIZER_ROUTES if tokenizer_routes_need_key else ())
 
     @app.on_event("shutdown")
     def _shutdown():
@@ -134,7 +148,7 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
             try:
                 await asyncio.to_thread(grammars.compile, sp.structured_outputs)
             except ValueError as e:
-                raise FieldError(body.structured()[1], str(e)) from None
+                raise FieldError(*_constraint_error(body.structured()[1], str(e))) from None
         try:
             return await asyncio.to_thread(core.add, request_id, ids, sp, loop, salt)
         except QueueFullError as e:
@@ -380,10 +394,11 @@ def build_app(llm, *, model_name: str, max_pending: int = 256,
 
 def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_pending: int = 256, api_keys: tuple[str, ...] | list[str] = (),
-          tool_call_parser: str | None = None) -> None:
+          tool_call_parser: str | None = None, tokenizer_routes_need_key: bool = False) -> None:
     """Runs the server until interrupted."""
     import uvicorn
 
     uvicorn.run(build_app(llm, model_name=model_name, max_pending=max_pending,
-                          api_keys=api_keys, tool_call_parser=tool_call_parser),
+                          api_keys=api_keys, tool_call_parser=tool_call_parser,
+                          tokenizer_routes_need_key=tokenizer_routes_need_key),
                 host=host, port=port, log_level="info")

@@ -75,16 +75,21 @@ def cache_salt(tenant: str | None, salt: str | None) -> str | None:
     return tenant if salt is None else f"{tenant}/{salt}"
 
 
-class RequireKey:
-    """ASGI middleware: /v1/* needs a configured key, whose tenant it puts in the scope
-    (``scope[TENANT]``); a 401 otherwise, before the body is read. A plain ASGI class rather
-    than an http middleware, which would stand between a handler and its disconnect checks."""
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 
-    def __init__(self, app, tenants: Tenants):
-        self.app, self.tenants = app, tenants
+
+class RequireKey:
+    """ASGI middleware: /v1/* (and the ``more`` paths) needs a configured key, whose tenant it
+    puts in the scope (``scope[TENANT]``); a 401 otherwise, before the body is read. A plain
+    ASGI class rather than an http middleware, which would stand between a handler and its
+    disconnect checks."""
+
+    def __init__(self, app, tenants: Tenants, more: tuple[str, ...] = ()):
+        self.app, self.tenants, self.more = app, tenants, more
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/")
+                                        or scope["path"] in self.more):
             header = dict(scope.get("headers") or ()).get(b"authorization", b"")
             try:
                 scope[TENANT] = self.tenants.tenant(header.decode("latin-1"))
