@@ -178,7 +178,8 @@ class SamplingParams:
                 fail("logit_bias", self.logit_bias, "must be a dict {token id: bias}")
             bias = {}
             for k, v in self.logit_bias.items():
-                tid = int(k) if isinstance(k, str) and k.isdigit() else k  # JSON keys
+                # JSON keys: ASCII digits only (str.isdigit also takes "²", which int() refuses)
+                tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
                 if not is_id(tid) or tid < 0:
                     fail("logit_bias", self.logit_bias, f"key {k!r} is not a token id")
                 if not isinstance(v, numbers.Real) or isinstance(v, bool) or \

@@ -198,6 +198,12 @@ BAD = [
                  id="seed < -2**63"),
     pytest.param(_sp(stop_token_ids=[-4]), ValueError, r"SamplingParams.stop_token_ids=\[-4\]",
                  id="negative stop token"),
+    pytest.param(_sp(logit_bias={"\u00b2": 5}), ValueError,
+                 r"SamplingParams.logit_bias=.*key '\u00b2' is not a token id",
+                 id="logit_bias key a unicode digit"),
+    pytest.param(_sp(logit_bias={"1_0": 5}), ValueError,
+                 r"SamplingParams.logit_bias=.*key '1_0' is not a token id",
+                 id="logit_bias key int() reads"),
     # --- LLM.generate -----------------------------------------------------------------------
     pytest.param(lambda ctx: ctx.llm.generate(prompt_token_ids=[[5, 6], []], use_tqdm=False),
                  ValueError, r"prompt_token_ids\[1\]: prompt_token_ids is empty",

@@ -271,6 +271,8 @@ def test_an_unknown_field_is_refused_by_name(server, endpoint, extra, param):
 
 @pytest.mark.parametrize("endpoint, extra, param", [
     ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # isdigit, not int()
+    ("chat", {"logit_bias": {" 4_2": 1}}, "logit_bias"),  # int() reads it, OpenAI does not
     ("completions", {"logit_bias": {"99999": 1}}, "logit_bias"),  # past the vocabulary
     ("chat", {"logit_bias": {"42": 500}}, "logit_bias"),  # past OpenAI's [-100, 100]
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true

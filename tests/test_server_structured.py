@@ -87,11 +87,29 @@ def test_a_streamed_reply_assembles_into_the_whole_one(server):
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    # compile but can never end (issue 43): were 200s with "" or cut-off non-JSON
+    ({"structured_outputs": {"grammar": "start: start"}}, "structured_outputs"),
+    ({"guided_grammar": 'root ::= "a" root'}, "guided_grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "$ref": "#"}}}}, "response_format"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#"}},
+                      "required": ["a"]}}, "guided_json"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         server.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
                                               extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+    assert e.value.body["message"].startswith(f"{param}: "), e.value.body
     ok = server.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")  # still serving
+
+
+def test_a_choice_of_thousands_is_served(server):
+    """2,000 options (llguidance's Earley row limit) and more: one of them, never a 500."""
+    options = [f"option-{i}" for i in range(5000)]
+    reply = server.client.completions.create(
+        model=MODEL, prompt="def f(", max_tokens=12, temperature=1.0, seed=1, n=2,
+        extra_body={"structured_outputs": {"choice": options}})
+    for choice in reply.choices:
+        assert choice.text in options and choice.finish_reason == "stop", choice

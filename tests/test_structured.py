@@ -15,6 +15,7 @@ from serving import drive
 import jaxkv
 from jaxkv import Engine, SamplingParams, StructuredOutputsParams
 from jaxkv.runtime.processors import apply_token_bitmask
+from jaxkv.structured.finite import json_schema_endless, lark_endless
 from jaxkv.structured.grammar import grammars_for
 
 SHAPE = dict(page_size=8, num_pages=96, max_num_seqs=6, max_model_len=320,
@@ -37,6 +38,9 @@ SCHEMA = {
         "additionalProperties": False}},
 }
 GBNF = 'root ::= "ok:" digit digit? digit? (";" [a-z])?\ndigit ::= [0-9]'
+# More options than llguidance's 2000 Earley items per row (issue 43): a flat alternation
+# of them failed at the first token
+OPTIONS = [f"option-{i}" for i in range(2000)] + ["x", "x y"]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,7 @@ CASES = {
                lambda t: t in ("alpha", "beta", "gamma delta")),
     "grammar": ({"grammar": GBNF},
                 lambda t: re.fullmatch(r"ok:[0-9]{1,3}(;[a-z])?", t) is not None),
+    "large choice": ({"choice": OPTIONS}, set(OPTIONS).__contains__),
 }
 
 
@@ -100,6 +105,100 @@ def test_backend_errors_name_the_field_when_the_request_is_added(model):
         Engine(jaxkv.random_model(model.config), **SHAPE).add_request(
             "y", prompt_token_ids=[5], sampling_params=SamplingParams(
                 structured_outputs={"regex": "a"}))
+
+
+# Grammars that compile but can never end (issue 43): served, they ended at once with "" or
+# wrote until max_tokens; each is refused when the request is added, naming its field.
+ENDLESS = [
+    ({"grammar": "start: start"}, "grammar"),
+    ({"grammar": 'start: "a" start'}, "grammar"),
+    ({"grammar": 'root ::= "(" inner ")"\ninner ::= root | "[" inner'}, "grammar"),
+    ({"json": {"$ref": "#"}}, "json"),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
+     "json"),
+    ({"json": {"type": "array", "items": {"$ref": "#/$defs/x"}, "minItems": 1,
+               "$defs": {"x": {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]}}}},
+     "json"),
+]
+# Recursive ones that can end stay served
+ENDING = [{"grammar": 'start: "a" start | "b"'},
+          {"grammar": 'root ::= "(" root ")" | "x"'},
+          {"json": {"type": "object", "properties": {"a": {"$ref": "#"}}}},
+          {"json": {"anyOf": [{"type": "null"},
+                              {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]}}]
+
+
+def test_grammars_that_can_never_end_are_refused_naming_the_field(model):
+    engine = Engine(model, **SHAPE)
+    for so, field in ENDLESS:
+        with pytest.raises(ValueError, match=rf"structured_outputs\.{field}: .*(never|no )"):
+            engine.add_request("x", prompt="x", sampling_params=SamplingParams(
+                structured_outputs=so))
+    assert not engine.has_unfinished_requests()
+    for i, so in enumerate(ENDING):
+        engine.add_request(f"ok{i}", prompt="x", sampling_params=SamplingParams(
+            temperature=1.0, seed=i, max_tokens=24, structured_outputs=so))
+    done = drive(engine)
+    assert all(out.outputs[0].finish_reason in ("stop", "length") for out in done.values())
+    assert engine.stats().kv_pages_used == 0
+
+
+@pytest.mark.parametrize("grammar, endless", [
+    ('start: "a" start | "b"', False),
+    ('start: x+\nx: x "a"', True),  # one or more of a rule that never ends
+    ('start: x*\nx: x "a"', False),  # none of it ends
+    ('start: x{2,3}\nx: x', True),
+    ('start: x ~ 0..2\nx: x', False),
+    ('start: [x] "b"\nx: x', False),
+    ('start: a\na: b\nb: a', True),
+    ('// a comment\nstart: a # another\n  | b\na: a\nb: "q" %json {"a": "}"}', False),
+    ('%ignore /\\s+/\nstart: "a" | start "b"', False),
+    ('start: A\nA: "x" A', False),  # a terminal: llguidance's to judge
+    ('start: _sep{x, ","}\n_sep{a, b}: a (b a)*\nx: "q"', False),  # unread: served
+])
+def test_lark_rules_that_can_never_end(grammar, endless):
+    assert (lark_endless(grammar) is not None) == endless, lark_endless(grammar)
+
+
+@pytest.mark.parametrize("schema, endless", [
+    ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+     False),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "object", "properties": {
+        "n": {"$ref": "#/$defs/a"}}, "required": ["n"]}}, "$ref": "#/$defs/a"}, True),
+    ({"definitions": {"node": {"type": "object", "properties": {"kids": {
+        "type": "array", "items": {"$ref": "#/definitions/node"}}}, "required": ["kids"]}},
+      "$ref": "#/definitions/node"}, False),  # a node with no kids ends
+    ({"type": "array", "prefixItems": [{"type": "null"}], "items": {"$ref": "#"},
+      "minItems": 1}, False),
+    ({"type": "array", "prefixItems": [{"type": "null"}], "items": {"$ref": "#"},
+      "minItems": 2}, True),
+    ({"type": "object", "properties": {"a": {"$ref": "https://x.org/s"}}, "required": ["a"]},
+     False),  # not followed: served
+])
+def test_json_schemas_that_can_never_end(schema, endless):
+    assert (json_schema_endless(schema) is not None) == endless, json_schema_endless(schema)
+
+
+@pytest.mark.parametrize("n", [10_000, 100_000])
+def test_a_choice_past_the_backends_limits_is_served_or_refused_at_intake(model, n):
+    """Each matcher step of a choice of n options stays within llguidance's limits, or the
+    request is refused when added, naming the field (never an error mid-generation)."""
+    tok, cfg = model.tokenizer, model.config
+    grammars = grammars_for(tok, cfg.vocab_size, cfg.eos_token_ids)
+    options = [str(i) for i in range(n)]
+    try:
+        matcher = grammars.compile(StructuredOutputsParams(choice=options)).matcher()
+    except ValueError as e:
+        assert str(e).startswith("structured_outputs.choice: "), e
+        return
+    bitmask = np.zeros((1, (cfg.vocab_size + 31) // 32), np.int32)
+    rng, taken = np.random.default_rng(0), []
+    while not matcher.done:
+        matcher.fill(bitmask, 0)
+        bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[:cfg.vocab_size]
+        taken.append(int(rng.choice(np.flatnonzero(bits))))
+        assert matcher.consume(taken[-1]), matcher.error
+    assert tok.decode([t for t in taken if t not in cfg.eos_token_ids]) in options
 
 
 def test_the_device_mask_equals_llguidance_reference():
@@ -169,8 +268,23 @@ def test_a_grammar_left_with_no_token_is_an_error_that_says_why(model):
         temperature=0, max_tokens=4, structured_outputs={"choice": ["yes", "no"]}))
     done = drive(engine)
     assert done["banned"].outputs[0].finish_reason == "error"
-    assert "structured_outputs" in done["banned"].error
+    assert "structured_outputs.choice" in done["banned"].error
+    assert "did allowed_token_ids ban" in done["banned"].error  # the one restriction it used
     assert done["fine"].outputs[0].text in ("yes", "no")
+    assert engine.stats().kv_pages_used == 0
+
+
+def test_a_grammar_that_fails_mid_way_says_why_without_blaming_other_fields(model):
+    """A rule of more alternatives than llguidance's Earley row holds fails at the first
+    token: the error quotes llguidance and names no field the request did not use."""
+    engine = Engine(model, **SHAPE)
+    wide = "start: " + " | ".join(json.dumps(c) for c in OPTIONS)
+    engine.add_request("wide", prompt="x", sampling_params=SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs={"grammar": wide}))
+    out = drive(engine)["wide"]
+    assert out.outputs[0].finish_reason == "error"
+    assert "structured_outputs.grammar" in out.error and "max is 2000" in out.error, out.error
+    assert not re.search("logit_bias|allowed_token_ids|bad_words", out.error), out.error
     assert engine.stats().kv_pages_used == 0
 
 

@@ -158,9 +158,10 @@ class _Request(BaseModel):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.strip().isdigit():
+            digits = key.strip()
+            if not (digits.isascii() and digits.isdigit()):  # isdigit alone takes "²"
                 raise FieldError("logit_bias", f"key {key!r} is not a token id")
-            bias[int(key)] = value
+            bias[int(digits)] = value
         return bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:

@@ -10,6 +10,12 @@ triton, too much for a JAX engine on a TPU VM. Both are measured by `jaxkv bench
 
 The bitmask: int32[B, ceil(V / 32)], bit j of word w allowing token 32 w + j (llguidance's
 and xgrammar's layout); `jaxkv.runtime.processors.apply_token_bitmask` unpacks it on device.
+
+What compiles is also checked to be servable (issue 43), so that a request that cannot be is
+refused when it is added rather than failing, or ending empty, mid-generation: a grammar or
+schema that can never be complete (`jaxkv.structured.finite`), or whose first step already
+allows nothing, is a ValueError naming the field. A choice is one lexeme (an alternation in
+llguidance's lexer, not one Earley item per option, which overflowed its 2000 items per row).
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from jaxkv.structured.finite import json_schema_endless, lark_endless
 from jaxkv.structured.params import JSON_WHITESPACE, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    import numpy as np
+    from collections.abc import Sequence
 
 
 def _llguidance():
@@ -41,11 +50,18 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-class Matcher:
-    """One sample stream's grammar state."""
+def _brief(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return error.split("\n", 1)[0]
 
-    def __init__(self, matcher):
+
+class Matcher:
+    """One sample stream's grammar state; ``field`` names the request field it enforces
+    (``structured_outputs.json``...)."""
+
+    def __init__(self, matcher, field: str = "structured_outputs"):
         self.ll = matcher  # llguidance's LLMatcher
+        self.field = field
 
     def consume(self, token: int) -> bool:
         """Takes a sampled token; False if the grammar did not allow it (the matcher is then
@@ -67,7 +83,17 @@ class Matcher:
 
     @property
     def error(self) -> str | None:
-        return self.ll.get_error() if self.ll.is_error() else None
+        return _brief(self.ll.get_error()) if self.ll.is_error() else None
+
+    def refusal(self, token: int, restrictions: Sequence[str] = ()) -> str:
+        """Why the stream ends after `consume` refused ``token``: llguidance's error, and the
+        ``restrictions`` (logit_bias...) the request used, which may have banned every token
+        the grammar allows (it never blames fields the request did not use)."""
+        why = f"{self.field}: the grammar cannot go on with token {token} " \
+              f"({self.error or 'not allowed here'})"
+        if restrictions:
+            why += f"; did {' or '.join(restrictions)} ban every token the grammar allows?"
+        return why
 
 
 class Grammar:
@@ -77,7 +103,7 @@ class Grammar:
         self._proto, self.params = prototype, params
 
     def matcher(self) -> Matcher:
-        return Matcher(self._proto.deep_copy())
+        return Matcher(self._proto.deep_copy(), f"structured_outputs.{self.params.kind}")
 
 
 class GrammarCompiler:
@@ -120,9 +146,15 @@ class GrammarCompiler:
                 return self._cache[key]
         tokenizer, ll = self.tokenizer(), _llguidance()
         text = grammar_text(params)
-        matcher = ll.LLMatcher(tokenizer, text, log_level=0)
+        # errors without the grammar and parser state (a whole schema in a 400 or a log line)
+        matcher = ll.LLMatcher(tokenizer, text, log_level=0,
+                               limits=ll.LLParserLimits(verbose_errors=False))
+        field = f"structured_outputs.{params.kind}"
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
+            raise ValueError(f"{field}: {_brief(matcher.get_error())}")
+        why = endless(params) or self._first_step(matcher, params)
+        if why:
+            raise ValueError(f"{field}: {why}")
         grammar = Grammar(matcher, params)
         with self._lock:
             self.misses += 1
@@ -130,6 +162,19 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _first_step(self, matcher, params: StructuredOutputsParams) -> str | None:
+        """Why the first step of ``matcher`` (a copy of it) cannot be served: it allows no
+        token (llguidance stops at once, an empty "stop"), or, for JSON, it may end there."""
+        probe = matcher.deep_copy()
+        _llguidance().numpy.fill_next_token_bitmask(
+            probe, np.zeros((1, bitmask_words(self.vocab_size)), np.int32), 0)
+        if probe.is_error() or (probe.is_stopped() and not probe.is_accepting()):
+            error = _brief(probe.get_error()) if probe.is_error() else probe.stop_reason()
+            return f"matches no output at all (no token may come first; llguidance: {error})"
+        if params.kind in ("json", "json_object") and probe.is_accepting():
+            return "accepts an empty output, which is not JSON"
+        return None
 
     def fill(self, rows: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         """Fills ``bitmask[row]`` for every (matcher, row), in parallel on llguidance's
@@ -191,11 +236,23 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=options)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(params.regex)
-        if kind == "choice":
+        if kind == "choice":  # one lexeme: llguidance's lexer takes 10,000s of options
             return LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in params.choice))
+                "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice))
         from llguidance.gbnf_to_lark import any_to_lark
 
         return LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
     except Exception as e:  # noqa: BLE001 - the backend's own parse errors
         raise ValueError(f"structured_outputs.{kind}: {e}") from None
+
+
+def endless(params: StructuredOutputsParams) -> str | None:
+    """Why no output of ``params``' grammar or schema can ever be complete (None if one can):
+    `jaxkv.structured.finite`."""
+    if params.kind == "json":
+        return json_schema_endless(params.json)
+    if params.kind == "grammar":
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return lark_endless(any_to_lark(params.grammar))
+    return None

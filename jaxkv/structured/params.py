@@ -28,7 +28,8 @@ class StructuredOutputsParams:
     Between JSON tokens, whitespace matches ``whitespace_pattern`` (a regex; default: at most
     20 spaces, tabs and newlines, so a model cannot write whitespace until max_tokens);
     ``disable_any_whitespace`` allows none. Invalid values raise ValueError naming the
-    field; a schema or grammar the backend cannot compile is named when the request is added
+    field; a schema or grammar the backend cannot compile, or that could not be served (no
+    output of it can ever be complete), is named when the request is added
     (`jaxkv.structured.grammar`).
     """
 
