@@ -113,8 +113,9 @@ def _expand_kv_heads(module: Llama, tp: int) -> Llama:
 def param_spec(path, shape: tuple[int, ...], tp: int, expert_parallel: bool = False) -> P:
     """The split of one params leaf. Quantized weights (`jaxkv.model.quant`) split like the
     float weight they hold: integers and per-group scales along the same axis, except the
-    scales of a row-split weight whose groups do not divide over ``tp`` (one per output
-    channel: replicated, as each device's partial sums take the same scale).
+    scales of a row-split weight whose G groups do not divide over ``tp`` (one per output
+    channel, or Qwen2.5-0.5B's o_proj in 7 groups at tp=2): replicated ([G, O] floats), and
+    `quant.qdot` repeats them into finer groups that split with each device's rows.
     ``expert_parallel``: MoE experts [X, ..] split by expert instead of by width."""
     names, ndim = _names(path), len(shape)
     if expert_parallel and set(names) & set(_EXPERTS):  # [(L,) X, in, out]: by expert

@@ -47,7 +47,7 @@ def supports(x_shape, q, scale, bits: int) -> bool:
     return i % BLOCK == 0 and group % BLOCK == 0 and o % LANES == 0
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("bits", "out_dtype", "group_size"))
 def quantized_matmul_cpu(
     x,  # [T, I] float
     q,  # i8[I, O] or u8[I/2, O]
@@ -56,10 +56,11 @@ def quantized_matmul_cpu(
     *,
     bits: int,
     out_dtype=None,
+    group_size: int | None = None,  # if given, I // G must equal it
 ):
     """``x @ dequantize(q, scale, offset)`` -> ``[T, O]`` (``out_dtype``, default x's), on
     XLA:CPU through the FFI kernel. Requires `available()` and `supports(...)`."""
-    check_quantized_weight(x.shape, q, scale, offset, bits)
+    check_quantized_weight(x.shape, q, scale, offset, bits, group_size=group_size)
     if not supports(x.shape, q, scale, bits):
         raise ValueError(f"quantized_matmul_cpu: needs I and group size multiples of {BLOCK} "
                          f"and O a multiple of {LANES}; got x {list(x.shape)}, q "

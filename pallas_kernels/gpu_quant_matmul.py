@@ -173,7 +173,7 @@ def _check_tile(tile: QuantTile, inputs: int, group: int, bits: int, grouped: bo
 @functools.partial(
     jax.jit,
     static_argnames=("bits", "interpret", "block_t", "block_o", "block_i", "num_warps",
-                     "num_stages", "num_splits", "precision", "out_dtype"))
+                     "num_stages", "num_splits", "precision", "out_dtype", "group_size"))
 def quantized_matmul_gpu(
     x,  # [T, I] f32 / bf16 / f16
     q,  # i8[I, O] (bits=8) or u8[I/2, O] (bits=4: row r = inputs 2r low nibble, 2r+1 high)
@@ -190,10 +190,12 @@ def quantized_matmul_gpu(
     num_splits: int | None = None,  # split-K: programs sharing one output tile's I axis
     precision: str | None = None,  # f32 x: tf32 | tf32x3 | bf16x3 | ieee (gpu_paged_common)
     out_dtype=None,
+    group_size: int | None = None,  # if given, I // G must equal it
 ):
     """``x @ dequantize(q, scale, offset)`` -> ``[T, O]`` in out_dtype (x's), the weight read as
     integers and dequantized in registers; semantics of ``quantized_matmul_reference``."""
-    inputs, _, group = check_quantized_weight(x.shape, q, scale, offset, bits)
+    inputs, _, group = check_quantized_weight(x.shape, q, scale, offset, bits,
+                                              group_size=group_size)
     if x.dtype not in X_DTYPES:
         raise ValueError(f"x dtype must be float32/bfloat16/float16, got {x.dtype}")
     for name, a in (("scale", scale), ("offset", offset)):

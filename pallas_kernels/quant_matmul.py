@@ -32,8 +32,14 @@ import jax.numpy as jnp
 WEIGHT_BITS = (4, 8)
 
 
-def check_quantized_weight(x_shape, q, scale, offset, bits: int) -> tuple[int, int, int]:
-    """(I, O, group_size) of a quantized weight, or a ValueError naming the argument."""
+def check_quantized_weight(x_shape, q, scale, offset, bits: int, *,
+                           group_size: int | None = None) -> tuple[int, int, int]:
+    """(I, O, group_size) of a quantized weight, or a ValueError naming the argument.
+
+    The group size is implied by the shapes (``I // G``), so scales meant for other rows (a
+    shard of a weight whose groups do not divide over the devices) would pass unnoticed: a
+    caller that knows the weight's ``group_size`` passes it, and a scale implying another is
+    refused."""
     if bits not in WEIGHT_BITS:
         raise ValueError(f"bits must be one of {WEIGHT_BITS}, got {bits}")
     want = jnp.int8 if bits == 8 else jnp.uint8
@@ -53,6 +59,9 @@ def check_quantized_weight(x_shape, q, scale, offset, bits: int) -> tuple[int, i
     if bits == 4 and offset is None:
         raise ValueError("4-bit weights need an offset (values are 0..15)")
     group = i // scale.shape[0]
+    if group_size is not None and group != group_size:
+        raise ValueError(f"scale {list(scale.shape)} implies groups of {group} inputs for "
+                         f"{i} inputs, but group_size={group_size} was given")
     if bits == 4 and group % 2:
         raise ValueError(f"4-bit groups must hold an even number of rows, got {group}")
     return i, cols, group
@@ -75,7 +84,7 @@ def dequantize_reference(q, scale, offset, *, bits: int, dtype=jnp.float32):
     return w.reshape(rows, cols).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("bits", "out_dtype", "group_size"))
 def quantized_matmul_reference(
     x,  # [T, I] float
     q,  # i8[I, O] or u8[I/2, O]
@@ -84,9 +93,10 @@ def quantized_matmul_reference(
     *,
     bits: int,
     out_dtype=None,
+    group_size: int | None = None,  # if given, I // G must equal it
 ):
     """``x @ w`` in float32 with the dequantized weight; the result in ``out_dtype`` (x's)."""
-    check_quantized_weight(x.shape, q, scale, offset, bits)
+    check_quantized_weight(x.shape, q, scale, offset, bits, group_size=group_size)
     w = dequantize_reference(q, scale, offset, bits=bits)
     out = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     return out.astype(out_dtype or x.dtype)
@@ -109,10 +119,14 @@ def _kernel(backend: str):
     raise ValueError(f"backend must be one of {QUANT_MATMUL_BACKENDS}, got {backend!r}")
 
 
-def kernel_takes(backend: str, x, q, scale, offset, *, bits: int) -> bool:
+def kernel_takes(backend: str, x, q, scale, offset, *, bits: int,
+                 group_size: int | None = None) -> bool:
     """Whether ``backend``'s kernel takes these operands (shapes, dtypes, group size): the
     kernels refuse what they cannot tile (e.g. TPU: O off the 128-lane tile), and a caller then
-    falls back to the reference. Decided at trace time from abstract values."""
+    falls back to the reference. Operands no backend reads right (`check_quantized_weight`,
+    a scale implying another ``group_size`` among them) raise its ValueError instead. Decided
+    at trace time from abstract values."""
+    check_quantized_weight(x.shape, q, scale, offset, bits, group_size=group_size)
     if backend == "reference":
         return True
     if backend == "cpu":
@@ -126,11 +140,14 @@ def kernel_takes(backend: str, x, q, scale, offset, *, bits: int) -> bool:
 
 
 def quantized_matmul(x, q, scale, offset=None, *, bits: int, backend: str = "reference",
-                     interpret: bool = False, out_dtype=None):
+                     interpret: bool = False, out_dtype=None, group_size: int | None = None):
     """``x[T, I] @ dequantize(q, scale, offset)`` -> ``[T, O]`` on ``backend``: "cpu" (C++
     FFI, `cpu_quant_matmul`), "gpu" (Pallas Triton), "tpu" (Pallas Mosaic) or "reference"
-    (XLA: dequantize, then dot). ``interpret`` runs a Pallas kernel in interpret mode."""
+    (XLA: dequantize, then dot). ``interpret`` runs a Pallas kernel in interpret mode.
+    ``group_size``: the weight's true group (a ValueError if ``I // G`` differs)."""
     if backend == "reference":
-        return quantized_matmul_reference(x, q, scale, offset, bits=bits, out_dtype=out_dtype)
+        return quantized_matmul_reference(x, q, scale, offset, bits=bits, out_dtype=out_dtype,
+                                          group_size=group_size)
     kwargs = {} if backend == "cpu" else {"interpret": interpret}
-    return _kernel(backend)(x, q, scale, offset, bits=bits, out_dtype=out_dtype, **kwargs)
+    return _kernel(backend)(x, q, scale, offset, bits=bits, out_dtype=out_dtype,
+                            group_size=group_size, **kwargs)

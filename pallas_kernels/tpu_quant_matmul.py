@@ -142,9 +142,9 @@ def _check(ok: bool, name: str, msg: str) -> None:
 
 
 def _validate(x, q, scale, offset, *, bits, block_t, block_o, block_i, out_dtype,
-              vmem_limit_bytes) -> tuple[int, int, int]:
+              vmem_limit_bytes, group_size) -> tuple[int, int, int]:
     """Static checks; each error names the offending argument. Returns (I, O, group)."""
-    i, o, group = check_quantized_weight(x.shape, q, scale, offset, bits)
+    i, o, group = check_quantized_weight(x.shape, q, scale, offset, bits, group_size=group_size)
     _check(x.dtype in X_DTYPES, "x", f"dtype {x.dtype}: the TPU kernel computes in float32 or "
            "bfloat16")
     for arr, name in ((scale, "scale"), (offset, "offset")):
@@ -176,7 +176,8 @@ def _validate(x, q, scale, offset, *, bits, block_t, block_o, block_i, out_dtype
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "bits", "interpret", "block_t", "block_o", "block_i", "out_dtype", "vmem_limit_bytes"))
+    "bits", "interpret", "block_t", "block_o", "block_i", "out_dtype", "vmem_limit_bytes",
+    "group_size"))
 def quantized_matmul_tpu(
     x,  # [T, I] float32 or bfloat16
     q,  # i8[I, O] (8 bits) or u8[I/2, O] (4 bits: byte row r = inputs 2r, 2r + 1)
@@ -190,13 +191,14 @@ def quantized_matmul_tpu(
     block_i: int | None = None,  # Bi: inputs per step (divides I)
     out_dtype=None,  # default: x's dtype
     vmem_limit_bytes: int | None = None,
+    group_size: int | None = None,  # if given, I // G must equal it
 ):
     """``x @ dequant(q, scale, offset)`` -> [T, out_dtype or x.dtype] on TPU, the weight read as
     integers and dequantized in VMEM (float32 accumulation); semantics of
     ``quantized_matmul_reference``."""
     i, o, group = _validate(x, q, scale, offset, bits=bits, block_t=block_t, block_o=block_o,
                             block_i=block_i, out_dtype=out_dtype,
-                            vmem_limit_bytes=vmem_limit_bytes)
+                            vmem_limit_bytes=vmem_limit_bytes, group_size=group_size)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     # Mosaic loads no f16 on v5e: such scales become f32 first (a copy of the small scales).
     scale, offset = (a if a is None or a.dtype in X_DTYPES else a.astype(jnp.float32)

@@ -127,12 +127,13 @@ def test_smollm2_q4_1_served_as_stored_equals_its_dequantized_float_load():
     # The same weights bit for bit (Q4_1 linears, the Q8_0 embedding as the tied LM head)...
     np.testing.assert_allclose(dense_logits(weight_only(stored), ids), want, atol=1e-4, rtol=0)
     # ...and through the CPU kernel (activations rounded to int8 per 32, as llama.cpp does):
-    # the next-token distributions move by a KL of 0.015 nats on average here (0.07 at the
-    # first position; the held text's perplexity by 0.1%), the top tokens stay.
+    # the next-token distributions move by a KL of 0.015 nats on average on an AVX-512 host,
+    # 0.039 on an AVX2 one (0.07 / 0.10 at the first position: the float activations differ in
+    # their last bits by host, which moves some roundings), the top tokens stay.
     got = dense_logits(stored, ids)
     log_want, log_got = jax.nn.log_softmax(want, -1), jax.nn.log_softmax(got, -1)
     kl = np.asarray((np.exp(log_want) * (log_want - log_got)).sum(-1))
-    assert kl.mean() <= 0.03 and kl.max() <= 0.15, kl
+    assert kl.mean() <= 0.06 and kl.max() <= 0.15, kl
     assert kl.max() > 1e-4  # the rounding is real (the weight-only path above has none)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
     assert got[-1].argmax() == want[-1].argmax() == ref.encode(" Berlin")[0]

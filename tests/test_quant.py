@@ -175,11 +175,18 @@ def test_load_pretrained_quantizes_as_it_reads(plain_model, tmp_path):
         jaxkv.quantize(loaded, "int8")
 
 
+# The CPU kernel rounds activations to int8 per 32 inputs: an eager pass and the engine's
+# jitted steps differ in the activations' last bits, which can flip a rounding and move a logit
+# by ~1e-3 (on an AVX2 host a 3e-4 near-tie of this random model went the other way).
+ROUNDING_TIE = 1e-3
+
+
 def _is_greedy_under(model, prompt, output) -> bool:
     """Whether every output token is the argmax of ``model``'s dense logits after the prompt
-    and the tokens before it (one teacher-forced pass)."""
-    logits = dense_logits(model, [*prompt, *output])
-    return list(logits[len(prompt) - 1:-1].argmax(-1)) == list(output)
+    and the tokens before it (one teacher-forced pass), or within ROUNDING_TIE of it."""
+    logits = dense_logits(model, [*prompt, *output])[len(prompt) - 1:-1]
+    return all(row.max() - row[t] <= ROUNDING_TIE for row, t in zip(logits, output,
+                                                                     strict=True))
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4-g32"])

@@ -28,6 +28,7 @@ How it multiplies (`qdot`), by ``kernel``:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -42,7 +43,9 @@ GROUP_SIZES = (32, 64, 128)
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
     """How weights are quantized: ``bits`` 8 or 4, ``group_size`` None (per output channel) or
-    one of 32/64/128; ``embedding``: the embedding (and an untied LM head) int8 per row too."""
+    one of 32/64/128, the most: a weight whose inputs it does not divide takes the largest of
+    those below it that does (`group_for`); ``embedding``: the embedding (and an untied LM
+    head) int8 per row too."""
 
     bits: int
     group_size: int | None
@@ -143,11 +146,26 @@ def table_rows(platform: str | None = None) -> bool:
     return (platform or jax.default_backend()) == "tpu"
 
 
+def group_for(rows: int, scheme: QuantScheme) -> int:
+    """The group size of a weight of ``rows`` inputs under ``scheme``: ``rows`` (per channel),
+    else the scheme's group or, where that does not divide ``rows``, the largest of
+    `GROUP_SIZES` below it that does (SmolLM2's 576 hidden inputs take int4's 128 as 64): a
+    power of two >= 32, as every kernel tiles. A ValueError if none divides."""
+    if scheme.group_size is None:
+        return rows
+    fits = [g for g in GROUP_SIZES if g <= scheme.group_size and rows % g == 0]
+    if not fits:
+        raise ValueError(f"quantization {scheme.name}: input size {rows} is not a multiple of "
+                         f"the group size {scheme.group_size} or of a smaller one of "
+                         f"{GROUP_SIZES}")
+    return max(fits)
+
+
 def placeholder_weight(shape, scheme: QuantScheme) -> QuantizedWeight:
     """Zeros of the quantized layout of a float [..., I, O] weight (a model's params before a
     checkpoint fills them; shape-only under `nnx.eval_shape`)."""
     *lead, rows, cols = shape
-    groups = 1 if scheme.group_size is None else rows // scheme.group_size
+    groups = rows // group_for(rows, scheme)
     if scheme.bits == 8:
         return QuantizedWeight(jnp.zeros(shape, jnp.int8),
                                jnp.ones((*lead, groups, cols), jnp.float16), None, 8)
@@ -194,10 +212,10 @@ def _half(x, up: bool) -> np.ndarray:
 def _quantize(w, scheme: QuantScheme) -> QuantizedWeight:
     w = np.asarray(w, np.float32)
     *lead, rows, cols = w.shape
-    group = rows if scheme.group_size is None else scheme.group_size
-    if rows % group or (scheme.bits == 4 and group % 2):
-        raise ValueError(f"quantization {scheme.name}: input size {rows} is not a multiple of "
-                         f"the group size {group}")
+    group = group_for(rows, scheme)
+    if scheme.bits == 4 and group % 2:  # per channel, an odd number of inputs
+        raise ValueError(f"quantization {scheme.name}: int4 needs an even input size (two "
+                         f"rows per byte), got {rows}")
     g = w.reshape(*lead, rows // group, group, cols)
     if scheme.bits == 8:
         scale = _half(np.abs(g).max(axis=-2) / 127.0, up=True)
@@ -308,37 +326,55 @@ TP = "tp"  # the tensor-parallel mesh axis (jaxkv.sharding)
 
 
 def _sharded_kernel_dot(x, w: QuantizedWeight, dtype, kernel: str, split: str, mesh):
-    """``x @ w`` with the kernel run per shard of ``mesh`` (None if a shard's shapes are ones
-    the kernel refuses). Specs follow `jaxkv.sharding.param_spec`: a row-split weight's
-    scales stay whole when its groups do not divide over the devices."""
+    """``x @ w`` with the kernel run per shard of ``mesh`` (None where a shard's shapes are
+    ones the kernel refuses: the caller dequantizes, which the partitioner splits correctly).
+
+    A row-split weight's G groups need not divide over the tp devices (Qwen2.5-0.5B's o_proj:
+    7 groups of 128 over 2; `jaxkv.sharding.param_spec` then keeps its scales whole). Its
+    scales are then repeated into groups of gcd(group, I / tp) rows, the same weight in finer
+    groups, which do split with the rows: [G, O] floats repeated in the step, next to [I, O]
+    integers read. Each shard's kernel is told its group size, so scales that were not
+    meant for its rows are refused rather than applied."""
     from jax.sharding import PartitionSpec as P
 
     tp = mesh.shape[TP]
+    group, scale, offset = w.group_size, w.scale, w.offset
     if split == "column":
+        if w.q.shape[1] % tp:
+            return None
         x_spec, w_spec, g_spec, out_spec = P(), P(None, TP), P(None, TP), P(None, TP)
     else:
-        x_spec, w_spec, out_spec = P(None, TP), P(TP, None), P()
-        g_spec = P(TP, None) if w.scale.shape[0] % tp == 0 else P()
+        if w.q.shape[0] % tp:
+            return None
+        x_spec, w_spec, g_spec, out_spec = P(None, TP), P(TP, None), P(TP, None), P()
+        # I / tp is even for 4 bits (its byte rows split), so the finer group is too.
+        finer = math.gcd(group, w.shape[0] // tp)
+        if finer != group:
+            scale, offset = (None if a is None else jnp.repeat(a, group // finer, axis=0)
+                             for a in (scale, offset))
+            group = finer
 
     def local(a, spec):
+        if a is None:
+            return None
+        axes = (*spec, *(None,) * (a.ndim - len(spec)))
         return jax.ShapeDtypeStruct(tuple(n // tp if ax == TP else n
-                                          for n, ax in zip(a.shape, (*spec, None, None),
-                                                           strict=False)), a.dtype)
+                                          for n, ax in zip(a.shape, axes, strict=True)),
+                                    a.dtype)
 
-    offset = None if w.offset is None else local(w.offset, g_spec)
-    if not kernel_takes(kernel, local(x, x_spec), local(w.q, w_spec), local(w.scale, g_spec),
-                        offset, bits=w.bits):
+    if not kernel_takes(kernel, local(x, x_spec), local(w.q, w_spec), local(scale, g_spec),
+                        local(offset, g_spec), bits=w.bits, group_size=group):
         return None
 
     def body(x, q, scale, offset):
         y = quantized_matmul(x, q, scale, offset, bits=w.bits, backend=kernel,
-                             out_dtype=jnp.float32)
+                             out_dtype=jnp.float32, group_size=group)
         return (y if split == "column" else jax.lax.psum(y, TP)).astype(dtype)
 
-    g = None if w.offset is None else g_spec
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, g_spec, g),
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(x_spec, w_spec, g_spec, None if offset is None else g_spec),
                        out_specs=out_spec, check_vma=False)
-    return fn(x, w.q, w.scale, w.offset)
+    return fn(x, w.q, scale, offset)
 
 
 def embedding_logits(hidden, table, dtype, *, kernel: str, mesh=None):
