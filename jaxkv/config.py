@@ -183,20 +183,28 @@ class RuntimeConfig:
     bf16/fp32 on GPU/TPU), float32 or bfloat16."""
     quantization: str = dataclasses.field(default="none", metadata={"choices": QUANTIZATIONS})
     """Weights of a model loaded from a path (or a float `jaxkv.Model`) quantized and kept
-    quantized on the device: int8 (per output channel), int4 (group 128), -g32/-g64 groups,
-    gguf (a GGUF file's blocks as stored); none keeps float weights. See
-    `jaxkv.model.quant`."""
+    quantized on the device: int8 (per output channel), int4 (groups of 128, or the largest
+    of 64/32 that divides a weight's inputs), -g32/-g64 groups, gguf (a GGUF file's blocks as
+    stored); none keeps float weights. See `jaxkv.model.quant`."""
     seed: int = 0
     """Engine seed: the sampling keys of requests without their own SamplingParams.seed."""
     warmup: bool = True
     """Compile every program serving can run when the LLM is built (as vLLM does before it
     serves), so no request waits on a compile; --no-warmup for quick scripts."""
+    compilation_cache_dir: str = "auto"
+    """Folder where compiled programs persist between runs (jax's persistent compilation
+    cache), so the next start of the same model and settings loads them instead of compiling:
+    auto ($JAXKV_CACHE_DIR, else ~/.cache/jaxkv/xla; a folder set through jax's own
+    jax_compilation_cache_dir wins), a path, or none (off)."""
 
     def __post_init__(self):
         name = type(self).__name__
         _one_of(name, "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _one_of(name, "dtype", self.dtype, MODEL_DTYPES)
         _one_of(name, "quantization", self.quantization, QUANTIZATIONS)
+        if not isinstance(self.compilation_cache_dir, str):
+            raise ValueError(f"{name}.compilation_cache_dir must be a folder, 'auto' or 'none', "
+                             f"got {self.compilation_cache_dir!r}")
         s = self.seed
         if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= s < 2**64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {s!r}")

@@ -16,6 +16,7 @@ COMMANDS = {
     "kernels": "kernels",
     "peers": "peers",
     "warmup": "warmup",
+    "startup": "startup",
     "profile": "profile",
     "throughput": "throughput",
     "prefix-cache": "prefix_cache",

@@ -21,6 +21,7 @@ from jaxkv.engine.replicas import ReplicatedEngine
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.model.pretrained import Model, load_default, load_pretrained, quantize
 from jaxkv.model.quant import QuantScheme
+from jaxkv.runtime.compile_cache import use_compile_cache
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh
 
@@ -75,6 +76,7 @@ class LLM:
         if bad:
             raise ValueError(f"LLM: {unknown_setting(bad[0])}")
         cfg = EngineConfig.from_kwargs(config, **settings)
+        use_compile_cache(cfg.runtime.compilation_cache_dir)
         par, dis = cfg.parallel, cfg.disagg
         tp, dp = par.tensor_parallel_size, par.data_parallel_size
         sides = _disaggregated_sides(dis, dp, [dis.prefill_tensor_parallel_size,

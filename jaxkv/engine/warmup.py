@@ -12,7 +12,9 @@ compile on first use).
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -20,11 +22,14 @@ import numpy as np
 
 from jaxkv.engine import spec_runner
 from jaxkv.runtime.batch import padding_batch
+from jaxkv.runtime.compiles import count_compiles
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import idle_masks, sample_processed
 from jaxkv.runtime.sampling import sample, sample_keys, token_logprobs
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
 from jaxkv.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_log = logging.getLogger(__name__)
 
 
 def engine_programs(engine) -> list[tuple[str, int]]:
@@ -93,16 +98,37 @@ def _precompile(engine, progs) -> None:
     workers = min(len(big), os.cpu_count() or 1)
     if workers < 2:
         return
+    start = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(compile_one, big))  # re-raises the first failure
+        for i, _ in enumerate(pool.map(compile_one, big)):  # (re-raises the first failure)
+            kind, size = big[i]
+            _log.info("warmup: %s %s compiled (%d/%d of the steps and loops, %.1f s)", kind,
+                      size, i + 1, len(big), time.perf_counter() - start)
 
 
 def warmup(engine) -> int:
     """Compiles every program of `engine_programs` on ``engine`` (an engine's `ModelRunner`);
     returns how many there are."""
     progs = engine_programs(engine)
-    _precompile(engine, progs)
-    for kind, size in progs:
+    start = time.perf_counter()
+    with count_compiles() as compiles:
+        _precompile(engine, progs)
+        _run_all(engine, progs)
+    _log.info("warmup: %d programs ready in %.1f s (%d compiled, %d loaded from the compilation "
+              "cache)", len(progs), time.perf_counter() - start, compiles.compiled,
+              compiles.cache_hits)
+    return len(progs)
+
+
+def _run_all(engine, progs) -> None:
+    """Runs each program once on padding inputs (compiling those `_precompile` did not)."""
+    start = last = time.perf_counter()
+    for i, (kind, size) in enumerate(progs):
+        now = time.perf_counter()
+        if now - last >= 1.0:  # the one before compiled: say where warmup is
+            _log.info("warmup: %d/%d programs ready (%.1f s); next: %s %s", i, len(progs),
+                      now - start, kind, size)
+        last = now
         if kind == "step":
             keys, arrays = engine.sampling([])
             tokens, logits, _, engine.state = engine.steps.step(
@@ -142,4 +168,3 @@ def warmup(engine) -> int:
             pool.saved_pages = pool.loaded_pages = 0
     sample_keys(0, SamplingParams(n=2), 0)  # the per-request key derivation
     jax.block_until_ready(engine.state)
-    return len(progs)

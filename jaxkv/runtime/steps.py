@@ -183,6 +183,7 @@ def _forward(model, impl, mesh, kv, tokens, positions, write_pages, write_offset
                                           page_table, kv_lens, cu_q_lens, num_seqs)
         return out, (*pages, *kv[2:])
 
+    attention.static_layers = window is not None  # window-only KV: pools picked by layer
     if num_layers is None:  # (a bring-your-own model need not take num_layers)
         return model(tokens, positions, attention, kv)
     return model(tokens, positions, attention, kv, num_layers=num_layers)

@@ -1,0 +1,76 @@
+"""The persistent compilation cache (`jaxkv.runtime.compile_cache`): a second start of the same
+model and settings loads every program from disk and compiles none; "none" turns it off; a
+folder the user gave jax wins over "auto"."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from jaxkv.config import RuntimeConfig
+from jaxkv.runtime.compile_cache import default_dir, use_compile_cache
+
+
+@pytest.fixture
+def restore_cache_dir():
+    """The process's cache folder as it was before the test."""
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
+
+
+_START = """
+import json, sys
+import jaxkv
+from jaxkv.runtime.compiles import count_compiles
+cfg = jaxkv.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+model = jaxkv.random_model(cfg, seed=0)  # (compiled before the engine turns the cache on)
+with count_compiles() as c:
+    engine = jaxkv.Engine(model, page_size=4, num_pages=23,
+                          max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
+                          compilation_cache_dir=sys.argv[1])
+    programs = engine.warmup()
+print(json.dumps(dict(programs=programs, count=c.count, hits=c.cache_hits)))
+"""
+
+
+def _start(folder) -> dict:
+    """A new process that builds a tiny engine and warms it up: its compile counts."""
+    run = subprocess.run([sys.executable, "-c", _START, str(folder)], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_start_loads_every_program_from_the_cache(tmp_path):
+    folder = tmp_path / "xla"
+    first = _start(folder)
+    assert first["hits"] == 0 and first["count"] >= first["programs"]
+    assert len(list(folder.glob("*-cache"))) >= first["programs"]
+    second = _start(folder)  # the same model and settings: every program from disk
+    assert second["count"] == first["count"] and second["hits"] == second["count"]
+    off = _start("none")
+    assert off["hits"] == 0 and off["count"] == first["count"]
+
+
+def test_none_leaves_jax_alone_and_a_users_jax_folder_wins(tmp_path, restore_cache_dir,
+                                                           monkeypatch):
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert use_compile_cache("none") is None
+    assert jax.config.jax_compilation_cache_dir is None
+    mine = str(tmp_path / "mine")
+    jax.config.update("jax_compilation_cache_dir", mine)
+    assert use_compile_cache("auto") == mine  # the user configured jax: theirs
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "env"))
+    assert default_dir() == tmp_path / "env"
+    assert use_compile_cache("auto") == str(tmp_path / "env")
+    assert (tmp_path / "env").is_dir()
+    with pytest.raises(ValueError, match="compilation_cache_dir"):
+        RuntimeConfig(compilation_cache_dir=3)
