@@ -195,7 +195,8 @@ class RuntimeConfig:
     """Folder where compiled programs persist between runs (jax's persistent compilation
     cache), so the next start of the same model and settings loads them instead of compiling:
     auto ($JAXKV_CACHE_DIR, else ~/.cache/jaxkv/xla; a folder set through jax's own
-    jax_compilation_cache_dir wins), a path, or none (off)."""
+    jax_compilation_cache_dir wins), a path, or none (off). An LLM sets it for the whole
+    process (jax has one cache); a bare Engine leaves jax as it is."""
 
     def __post_init__(self):
         name = type(self).__name__

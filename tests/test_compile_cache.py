@@ -30,18 +30,16 @@ import jaxkv
 from jaxkv.runtime.compiles import count_compiles
 cfg = jaxkv.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-model = jaxkv.random_model(cfg, seed=0)  # (compiled before the engine turns the cache on)
+model = jaxkv.random_model(cfg, seed=0)  # (compiled before the LLM turns the cache on)
 with count_compiles() as c:
-    engine = jaxkv.Engine(model, page_size=4, num_pages=23,
-                          max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
-                          compilation_cache_dir=sys.argv[1])
-    programs = engine.warmup()
-print(json.dumps(dict(programs=programs, count=c.count, hits=c.cache_hits)))
+    llm = jaxkv.LLM(model, page_size=4, num_pages=23, max_num_seqs=2, max_model_len=32,
+                    max_num_batched_tokens=16, compilation_cache_dir=sys.argv[1])
+print(json.dumps(dict(programs=len(llm.engine.programs()), count=c.count, hits=c.cache_hits)))
 """
 
 
 def _start(folder) -> dict:
-    """A new process that builds a tiny engine and warms it up: its compile counts."""
+    """A new process that builds an LLM of a tiny model (warming it up): its compile counts."""
     run = subprocess.run([sys.executable, "-c", _START, str(folder)], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -59,15 +57,23 @@ def test_a_second_start_loads_every_program_from_the_cache(tmp_path):
     assert off["hits"] == 0 and off["count"] == first["count"]
 
 
-def test_none_leaves_jax_alone_and_a_users_jax_folder_wins(tmp_path, restore_cache_dir,
-                                                           monkeypatch):
+def test_none_turns_off_only_jaxkvs_folder_and_a_users_jax_folder_wins(tmp_path,
+                                                                      restore_cache_dir,
+                                                                      monkeypatch):
     jax.config.update("jax_compilation_cache_dir", None)
     assert use_compile_cache("none") is None
+    assert jax.config.jax_compilation_cache_dir is None
+    ours = str(tmp_path / "ours")
+    assert use_compile_cache(ours) == ours
+    assert use_compile_cache("none") is None  # off again
     assert jax.config.jax_compilation_cache_dir is None
     mine = str(tmp_path / "mine")
     jax.config.update("jax_compilation_cache_dir", mine)
     assert use_compile_cache("auto") == mine  # the user configured jax: theirs
+    assert use_compile_cache("none") == mine  # and jaxkv does not turn theirs off
     jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("JAXKV_CACHE_DIR", "none")
+    assert use_compile_cache("auto") is None
     monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "env"))
     assert default_dir() == tmp_path / "env"
     assert use_compile_cache("auto") == str(tmp_path / "env")

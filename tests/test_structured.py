@@ -274,18 +274,35 @@ def test_a_grammar_left_with_no_token_is_an_error_that_says_why(model):
     assert engine.stats().kv_pages_used == 0
 
 
-def test_a_grammar_that_fails_mid_way_says_why_without_blaming_other_fields(model):
-    """A rule of more alternatives than llguidance's Earley row holds fails at the first
-    token: the error quotes llguidance and names no field the request did not use."""
+def test_a_rule_wider_than_the_parsers_row_is_refused_at_intake(model):
+    """A rule of more alternatives than llguidance's Earley row holds would fail at the first
+    token: refused when added, naming the field and the rule; the same options as a terminal
+    are served."""
     engine = Engine(model, **SHAPE)
     wide = "start: " + " | ".join(json.dumps(c) for c in OPTIONS)
-    engine.add_request("wide", prompt="x", sampling_params=SamplingParams(
-        temperature=0, max_tokens=8, structured_outputs={"grammar": wide}))
-    out = drive(engine)["wide"]
-    assert out.outputs[0].finish_reason == "error"
-    assert "structured_outputs.grammar" in out.error and "max is 2000" in out.error, out.error
-    assert not re.search("logit_bias|allowed_token_ids|bad_words", out.error), out.error
+    with pytest.raises(ValueError, match=r"structured_outputs.grammar: rule start has \d+ alt"):
+        engine.add_request("wide", prompt="x", sampling_params=SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs={"grammar": wide}))
+    lexeme = "start: WORD\nWORD: " + " | ".join(json.dumps(c) for c in OPTIONS)
+    engine.add_request("lexeme", prompt="x", sampling_params=SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs={"grammar": lexeme}))
+    out = drive(engine)["lexeme"]
+    assert out.outputs[0].finish_reason in ("stop", "length"), out.error
+    assert any(c.startswith(out.outputs[0].text) for c in OPTIONS)
     assert engine.stats().kv_pages_used == 0
+
+
+def test_a_refusal_mid_way_names_no_field_the_request_did_not_use(model):
+    c = model.config
+    grammar = grammars_for(model.tokenizer, c.vocab_size, c.eos_token_ids).compile(
+        StructuredOutputsParams(choice=["yes", "no"]))
+    matcher = grammar.matcher()
+    bad = model.tokenizer.encode("zzz")[0]
+    assert not matcher.consume(bad)
+    why = matcher.refusal(bad)
+    assert why.startswith("structured_outputs.choice: the grammar cannot go on with token")
+    assert not re.search("logit_bias|allowed_token_ids|bad_words", why), why
+    assert "did bad_words ban" in matcher.refusal(bad, ["bad_words"])
 
 
 def test_a_cut_off_output_reports_length(model):

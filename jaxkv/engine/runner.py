@@ -37,7 +37,6 @@ from jaxkv.engine.plan import ScheduledRow, SchedulerOutput
 from jaxkv.kv import init_state
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, WindowTable, build_batch, fit, ladder, pow2
-from jaxkv.runtime.compile_cache import use_compile_cache
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import build_processors, has_processors, sample_processed
 from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample, token_logprobs
@@ -99,7 +98,6 @@ class ModelRunner:
     def __init__(self, model: Model, config: EngineConfig, *, num_pages: int,
                  max_model_len: int, mesh=None, window: WindowSlots | None = None):
         cache, sched = config.cache, config.scheduler
-        use_compile_cache(config.runtime.compilation_cache_dir)  # before anything compiles
         if mesh is not None:  # tensor parallel: weights and KV pages split by head
             model = shard(model, mesh,
                           expert_parallel=config.parallel.enable_expert_parallel)

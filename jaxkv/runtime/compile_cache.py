@@ -5,10 +5,15 @@ run again, a test run).
 The cache is jax's own (`jax.experimental.compilation_cache`): one file per program, keyed by
 the program, the jax/XLA version and the device, so a change of any of them just compiles
 anew. ``RuntimeConfig.compilation_cache_dir`` picks the folder: "auto" is
-``$JAXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxkv/xla``, else ``~/.cache/jaxkv/xla``; "none"
-turns it off. A folder set through jax itself (``jax_compilation_cache_dir``, or
-``JAX_COMPILATION_CACHE_DIR``) wins over "auto", so a user who configured jax keeps their
-setting.
+``$JAXKV_CACHE_DIR`` (``none``: off), else ``$XDG_CACHE_HOME/jaxkv/xla``, else
+``~/.cache/jaxkv/xla``; "none" turns it off. A folder set through jax itself
+(``jax_compilation_cache_dir``, or ``JAX_COMPILATION_CACHE_DIR``) wins over "auto", so a user
+who configured jax keeps their setting (and their thresholds).
+
+jax's cache is one per process: turning it on (by building an `LLM`) also caches the other
+programs the process compiles from then on, a trainer's included, which is what a training
+loop that samples with jaxkv wants; "none" turns off a folder jaxkv turned on (one the user
+gave jax stays). The folder holds executable code: point it only at a folder you trust.
 """
 
 from __future__ import annotations
@@ -31,16 +36,25 @@ def default_dir() -> Path:
     return Path(base) / "jaxkv" / "xla"
 
 
+_ours: list[str] = []  # the folder jaxkv set in jax, if it set one (jax's config is global)
+
+
 def use_compile_cache(setting: str) -> str | None:
     """Points jax's persistent compilation cache at the folder ``setting`` names ("auto", a
     path, or "none"); returns the folder in use (None: off). Idempotent; programs compiled
     before the first call are not saved, later ones are (every size, not only slow ones)."""
-    if setting in OFF:
-        return None
     current = jax.config.jax_compilation_cache_dir
+    if setting in OFF:
+        if current and current in _ours:  # off again; a folder the user set stays
+            jax.config.update("jax_compilation_cache_dir", None)
+            compilation_cache.reset_cache()
+            return None
+        return current or None
     if setting == "auto":
-        if current:  # the user configured jax: theirs
+        if current:  # the user (or an earlier LLM) configured jax: that folder
             return current
+        if os.environ.get("JAXKV_CACHE_DIR", "").lower() in OFF[:1]:
+            return None  # JAXKV_CACHE_DIR=none: off unless a folder is named
         folder = str(default_dir())
     else:
         folder = str(Path(setting).expanduser())
@@ -52,6 +66,7 @@ def use_compile_cache(setting: str) -> str | None:
         raise ValueError(f"compilation_cache_dir={setting!r}: cannot create {folder}: {e}") \
             from None
     jax.config.update("jax_compilation_cache_dir", folder)
+    _ours.append(folder)
     # Engine programs on CPU compile in 0.1 to 10 s each: keep them all, not only those over
     # jax's default second; bound the folder (jax's default is unbounded).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

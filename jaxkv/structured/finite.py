@@ -141,9 +141,12 @@ def _json_endless(schema) -> str | None:
                      uses)
     if _schema_ends(schema, good, schema):
         return None
-    cycle = _some([r for r in refs if r not in good])
-    return (f"no finite JSON value matches the schema: its $ref {cycle} recurses with no "
-            "base case (through required properties, minItems or allOf), so no output "
+    stuck = [r for r in refs if r not in good]
+    if not stuck:  # no $ref to blame: a required property that allows nothing, say
+        return ("no JSON value matches the schema (a required part of it allows none), so no "
+                "output could ever be complete")
+    return (f"no finite JSON value matches the schema: its $ref {_some(stuck)} recurses with "
+            "no base case (through required properties, minItems or allOf), so no output "
             "could ever be complete")
 
 
@@ -375,3 +378,23 @@ def lark_endless(text: str) -> str | None:
     which = f"rule {names} recurses" if len(stuck) == 1 else f"rules {names} recurse"
     return (f"no output can ever be complete: {which} with no base case (each alternative "
             "needs one of them again)")
+
+
+MAX_ALTERNATIVES = 2000  # llguidance's Earley items per row (LLParserLimits.max_items_in_row)
+
+
+def lark_too_wide(text: str) -> str | None:
+    """Why the Lark grammar ``text`` cannot start: a rule of more alternatives than
+    llguidance's Earley row holds (predicting the rule adds one item per alternative, so it
+    fails at the first token). None if every rule fits, or if this check cannot read it."""
+    try:
+        rules = _LarkRules(text).rules
+    except (_Unreadable, ValueError, RecursionError):
+        return None
+    for name, bodies in rules.items():
+        n = sum(len(b[1]) if isinstance(b, tuple) and b[0] == "alt" else 1 for b in bodies)
+        if n > MAX_ALTERNATIVES:
+            return (f"rule {name} has {n} alternatives, more than the {MAX_ALTERNATIVES} a step "
+                    f"of llguidance's parser holds: write them as one terminal "
+                    f"({name.upper()}_T: \"a\" | \"b\" | ...), or use choice")
+    return None

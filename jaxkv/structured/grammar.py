@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxkv.structured.finite import json_schema_endless, lark_endless
+from jaxkv.structured.finite import json_schema_endless, lark_endless, lark_too_wide
 from jaxkv.structured.params import JSON_WHITESPACE, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -247,12 +247,13 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
 
 def endless(params: StructuredOutputsParams) -> str | None:
-    """Why no output of ``params``' grammar or schema can ever be complete (None if one can):
-    `jaxkv.structured.finite`."""
+    """Why no output of ``params``' grammar or schema can ever be complete, or why its parser
+    cannot take a step (None if it can): `jaxkv.structured.finite`."""
     if params.kind == "json":
         return json_schema_endless(params.json)
     if params.kind == "grammar":
         from llguidance.gbnf_to_lark import any_to_lark
 
-        return lark_endless(any_to_lark(params.grammar))
+        lark = any_to_lark(params.grammar)
+        return lark_endless(lark) or lark_too_wide(lark)
     return None
