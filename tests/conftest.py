@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # No persistent compilation cache unless a test names a folder: a run does not depend on what
 # earlier runs left in ~/.cache (tests/test_compile_cache.py checks the cache itself).
-os.environ.setdefault("JAXKV_CACHE_DIR", "none")
+os.environ.setdefault("JAXKV_COMPILATION_CACHE_DIR", "none")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

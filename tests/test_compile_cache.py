@@ -72,11 +72,15 @@ def test_none_turns_off_only_jaxkvs_folder_and_a_users_jax_folder_wins(tmp_path,
     assert use_compile_cache("auto") == mine  # the user configured jax: theirs
     assert use_compile_cache("none") == mine  # and jaxkv does not turn theirs off
     jax.config.update("jax_compilation_cache_dir", None)
-    monkeypatch.setenv("JAXKV_CACHE_DIR", "none")
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE_DIR", "none")
     assert use_compile_cache("auto") is None
-    monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "env"))
-    assert default_dir() == tmp_path / "env"
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
     assert use_compile_cache("auto") == str(tmp_path / "env")
     assert (tmp_path / "env").is_dir()
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.delenv("JAXKV_COMPILATION_CACHE_DIR")
+    monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "root"))  # jaxkv's cache folder
+    assert default_dir() == tmp_path / "root" / "xla"
+    assert use_compile_cache("auto") == str(tmp_path / "root" / "xla")
     with pytest.raises(ValueError, match="compilation_cache_dir"):
         RuntimeConfig(compilation_cache_dir=3)

@@ -5,8 +5,8 @@ run again, a test run).
 The cache is jax's own (`jax.experimental.compilation_cache`): one file per program, keyed by
 the program, the jax/XLA version and the device, so a change of any of them just compiles
 anew. ``RuntimeConfig.compilation_cache_dir`` picks the folder: "auto" is
-``$JAXKV_CACHE_DIR`` (``none``: off), else ``$XDG_CACHE_HOME/jaxkv/xla``, else
-``~/.cache/jaxkv/xla``; "none" turns it off. A folder set through jax itself
+``$JAXKV_COMPILATION_CACHE_DIR`` when set (a folder, or none), else `default_dir`
+(``~/.cache/jaxkv/xla``); "none" turns it off. A folder set through jax itself
 (``jax_compilation_cache_dir``, or ``JAX_COMPILATION_CACHE_DIR``) wins over "auto", so a user
 who configured jax keeps their setting (and their thresholds).
 
@@ -29,9 +29,11 @@ MAX_BYTES = 4 * 2**30  # the folder is an LRU of at most this many bytes (jax ev
 
 
 def default_dir() -> Path:
-    """Where "auto" puts the cache."""
+    """Where "auto" puts the cache: ``xla`` in jaxkv's cache folder (``$JAXKV_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/jaxkv`` or ``~/.cache/jaxkv``, where the CPU kernels' library is
+    built too)."""
     if os.environ.get("JAXKV_CACHE_DIR"):
-        return Path(os.environ["JAXKV_CACHE_DIR"])
+        return Path(os.environ["JAXKV_CACHE_DIR"]) / "xla"
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "jaxkv" / "xla"
 
@@ -53,8 +55,9 @@ def use_compile_cache(setting: str) -> str | None:
     if setting == "auto":
         if current:  # the user (or an earlier LLM) configured jax: that folder
             return current
-        if os.environ.get("JAXKV_CACHE_DIR", "").lower() in OFF[:1]:
-            return None  # JAXKV_CACHE_DIR=none: off unless a folder is named
+        named = os.environ.get("JAXKV_COMPILATION_CACHE_DIR")
+        if named:  # the setting's environment default: a folder, or none
+            return use_compile_cache(named) if named != "auto" else None
         folder = str(default_dir())
     else:
         folder = str(Path(setting).expanduser())
