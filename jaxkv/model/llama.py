@@ -246,7 +246,7 @@ class Llama(nnx.Module):
                 stacked = jax.tree.map(lambda w: w[:depth], stacked)
             (x, carry), _ = jax.lax.scan(layer, (x, carry), (stacked, jnp.arange(depth)))
         elif getattr(attention, "static_layers", False) or len(set(c.windows)) > 1 or \
-                (self.kernel_platform or jax.default_backend()) != "cpu":
+                self.mesh is not None or (self.kernel_platform or jax.default_backend()) != "cpu":
             # each layer's index static: its own window or pool (window-only KV), picked at
             # trace time
             for i in range(depth):
@@ -255,8 +255,8 @@ class Llama(nnx.Module):
             # One traced layer for every layer of the same shapes: jit caches the trace, so
             # tracing and lowering a step cost one layer, not L (SmolLM2's 30: 2.0 -> 0.4 s
             # traced, 1.3 -> 0.4 s lowered); XLA inlines the calls, so the program (and its
-            # speed) is the unrolled one. (CPU only: unrolled layers are its default; elsewhere
-            # scanned layers are, and this path is not measured there.)
+            # speed) is the unrolled one. (One CPU device only: unrolled layers are the CPU
+            # default, and this path is not measured under a mesh or elsewhere.)
             one = jax.jit(layer)
             for i in range(depth):
                 (x, carry), _ = one((x, carry), (self.layers.layer(i), jnp.int32(i)))
