@@ -26,13 +26,13 @@ import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from jaxkv.structured.finite import json_schema_endless, lark_endless, lark_too_wide
 from jaxkv.structured.params import JSON_WHITESPACE, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    import numpy as np
 
 
 def _llguidance():
@@ -166,6 +166,8 @@ class GrammarCompiler:
     def _first_step(self, matcher, params: StructuredOutputsParams) -> str | None:
         """Why the first step of ``matcher`` (a copy of it) cannot be served: it allows no
         token (llguidance stops at once, an empty "stop"), or, for JSON, it may end there."""
+        import numpy as np  # host bookkeeping imports no numpy at module level
+
         probe = matcher.deep_copy()
         _llguidance().numpy.fill_next_token_bitmask(
             probe, np.zeros((1, bitmask_words(self.vocab_size)), np.int32), 0)
