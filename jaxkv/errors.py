@@ -7,6 +7,15 @@ can catch ``ValueError`` at its API edge and report the message as is.
 from __future__ import annotations
 
 
+class FieldError(ValueError):
+    """A request field jaxkv refuses or cannot read; ``field`` names it (the server's 400
+    carries it as ``param``)."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
+
 class UnsupportedModelError(ValueError):
     """A checkpoint asks for an architecture or option jaxkv does not implement."""
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_library import library
-from pallas_kernels.quant_matmul import check_quantized_weight
+from pallas_kernels.quant_reference import check_quantized_weight
 
 TARGET = "jaxkv_quantized_matmul"
 BLOCK = 32  # inputs per activation scale: group sizes and I must be multiples of it

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_paged_common import check_knob, is_pow2, resolve_f32_precision
 from pallas_kernels.gpu_quant_block_sizes import MMA_MIN, QuantTile, quant_tile
-from pallas_kernels.quant_matmul import check_quantized_weight
+from pallas_kernels.quant_reference import check_quantized_weight
 
 X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 SUB_ROWS = 32  # byte rows dequantized at once in a grouped weight (see _quant_matmul_call)

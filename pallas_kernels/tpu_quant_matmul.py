@@ -4,7 +4,7 @@ Axes: T tokens, I inputs, O outputs, G groups along I (``group`` inputs each; G 
 channel), Bt / Bi / Bo block sizes, Bq byte rows of a weight block (Bi for 8 bits, Bi / 2 for
 4), Gb = Bi / group scale rows of a block, R byte rows per group (group, or group / 2).
 
-Semantics and the weight layout are those of ``quant_matmul.quantized_matmul_reference``.
+Semantics and the weight layout are those of ``quant_reference.quantized_matmul_reference``.
 Design:
 
 * Grid (T / Bt, cdiv(O, Bo), I / Bi). I is innermost and "arbitrary": a float32 VMEM
@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_quant_block_sizes as sizes
-from pallas_kernels.quant_matmul import check_quantized_weight
+from pallas_kernels.quant_reference import check_quantized_weight
 
 X_DTYPES = (jnp.float32, jnp.bfloat16)
 

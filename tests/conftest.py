@@ -8,6 +8,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # No persistent compilation cache unless a test names a folder: a run does not depend on what
 # earlier runs left in ~/.cache (tests/test_compile_cache.py checks the cache itself).
 os.environ.setdefault("JAXKV_COMPILATION_CACHE_DIR", "none")
+# Most of the suite's time is XLA compiling small programs: LLVM's optimizations (level 0, not
+# 2) cut that by about a quarter, and a tiny model runs fast enough either way. Processes the
+# tests start inherit it. (JAXKV_TEST_XLA_OPT=2 runs the suite as users compile.)
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_"
+                               f"level={os.environ.get('JAXKV_TEST_XLA_OPT', '0')}").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -76,13 +82,34 @@ def _release_compiled_programs():
 
 
 FIRST = ("test_scaleout.py", "test_soak.py")  # the longest files (minutes in subprocesses)
+# The tiers (pyproject.toml's markers): a file of host tests says so (``pytestmark =
+# pytest.mark.host``); these start servers, benchmarks or other processes; the rest builds
+# engines in the test's process.
+E2E = ("test_server", "test_bench", "test_soak", "test_compile_cache", "test_lm_eval",
+       "test_disagg_remote", "test_default_model")
+HOST_MARK = "pytestmark = pytest.mark.host"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`make test-fast` (``-m "host ..."``) does not import the other files: collecting them imports
+    transformers and torch, which takes longer than the host tests run."""
+    if config.getoption("markexpr").startswith("host") and collection_path.suffix == ".py" and \
+            collection_path.name.startswith("test_"):
+        return HOST_MARK not in collection_path.read_text()
+    return None
 
 
 def pytest_collection_modifyitems(items):
-    """The longest files first, so that `make test`'s two workers do not end on one of them
-    while the other idles (stable: every other test keeps its order). A test module's SLOW
-    set names parametrized cases that run under `-m slow` only."""
+    """Marks each test with its tier; puts the longest files first, so that `make test`'s two
+    workers do not end on one of them while the other idles (stable: every other test keeps
+    its order). A test module's SLOW set names parametrized cases that run under `-m slow`."""
     for item in items:
         if item.name in getattr(getattr(item, "module", None), "SLOW", ()):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("host"):
+            continue
+        name = item.path.name
+        tier = ("multidevice" if name == "test_scaleout.py" and "multidevice" in item.name
+                else "e2e" if name.startswith(E2E) else "engine")
+        item.add_marker(getattr(pytest.mark, tier))
     items.sort(key=lambda item: item.path.name not in FIRST)

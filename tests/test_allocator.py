@@ -4,6 +4,8 @@ import pytest
 
 from jaxkv.cache.allocator import OutOfPagesError, PageAllocator
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 
 def test_allocate_share_free_cycle():
     a = PageAllocator(6)

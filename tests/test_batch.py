@@ -5,6 +5,8 @@ import pytest
 
 from jaxkv.runtime.batch import PageTable, Row, bucket, build_batch, fit, ladder
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 
 def test_bucket_values():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 7, 13, 100, 1000)] == \

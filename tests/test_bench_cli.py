@@ -11,6 +11,8 @@ import pytest
 from jaxkv.bench import cli, common
 from jaxkv.cli import build_parser
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -60,3 +62,24 @@ def test_no_sys_path_edits_and_no_imports_from_tests():
             assert "sys.path" not in text, path
             assert not re.search(r"^\s*(from|import) (tests|tools|script_loader)\b", text,
                                  re.M), path
+
+
+def test_the_command_imports_only_the_benchmark_it_runs():
+    """`jaxkv` builds its parser without importing the benchmarks: a subcommand's module is
+    imported when that subcommand is parsed (or its help printed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom jaxkv.cli import build_parser\nparser = build_parser()\n"
+            "before = {m for m in sys.modules if m.startswith('jaxkv.bench.')}\n"
+            "parser.parse_args(['bench', 'kv-capacity'])\n"
+            "after = {m for m in sys.modules if m.startswith('jaxkv.bench.')}\n"
+            "print(sorted(before)); print(sorted(after - before))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, loaded = (eval(line) for line in run.stdout.splitlines()[-2:])
+    assert before == ["jaxkv.bench.cli", "jaxkv.bench.common"]
+    assert "jaxkv.bench.kv_capacity" in loaded
+    others = {f"jaxkv.bench.{m}" for m, _ in cli.COMMANDS.values()} - {"jaxkv.bench.kv_capacity"}
+    assert not others & set(loaded), loaded

@@ -2,14 +2,14 @@
 
 import re
 
-from jaxkv.bench import prefix_cache
+from jaxkv.bench.cli import main as bench
 
 
 def test_bench_prefix_cache_small_run(capsys, tmp_path):
     argv = ["--layers", "1", "--hidden", "64", "--prefix", "32", "--suffix", "8",
             "--requests", "3", "--max-tokens", "2", "--convs", "2", "--turns", "2",
             "--user", "8", "--reply", "4", "--out", str(tmp_path / "p.png")]
-    assert prefix_cache.main(argv) == 0
+    assert bench(["prefix-cache", *argv]) == 0
     out = capsys.readouterr().out
     assert "caching on" in out and "caching off" in out
     assert "reproduce: jaxkv bench prefix-cache --layers 1 --hidden 64" in out

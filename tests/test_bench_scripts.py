@@ -6,16 +6,16 @@ import json
 
 import pytest
 
-from jaxkv.bench import cache, host_tier, kernels, kv_accuracy, kv_capacity, peers, profile, serve
+from jaxkv.bench.cli import main as bench
 
 
 def test_bench_kernels_refuses_cpu_timings(capsys):
-    assert kernels.main([]) == 0
+    assert bench(["kernels"]) == 0
     assert "interpret mode" in capsys.readouterr().out
 
 
 def test_bench_kernels_smoke_agrees_across_implementations(capsys, tmp_path):
-    assert kernels.main(["--smoke", "--out", str(tmp_path / "p.png")]) == 0
+    assert bench(["kernels", "--smoke", "--out", str(tmp_path / "p.png")]) == 0
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines()]
     errs = {ln[2]: float(ln[-1]) for ln in lines if len(ln) == 7 and ln[0] == "2"}
     assert set(errs) == {"jaxkv", "xla-reference", "jax-shipped"}
@@ -26,7 +26,7 @@ def test_bench_cache_small_run(capsys, tmp_path):
     """Cache vs recompute on a 1-layer model; --json writes the environment, the arguments
     and the table's numbers."""
     path = tmp_path / "cache.json"
-    assert cache.main(["--tokens", "4", "8", "--prompt-len", "8", "--layers", "1",
+    assert bench(["cache", "--tokens", "4", "8", "--prompt-len", "8", "--layers", "1",
                        "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "speedup" in out
@@ -43,7 +43,7 @@ def test_bench_peers_small_multiturn(capsys, tmp_path):
     """The peer benchmark's multiturn rounds (each turn's prompt = the previous prompt, its
     output and new user tokens) through jaxkv and transformers on a 1-layer model: greedy
     tokens must agree on every request (fp32, same checkpoint)."""
-    assert peers.main(["--layers", "1", "--hidden", "64", "--repeats", "1",
+    assert bench(["peers", "--layers", "1", "--hidden", "64", "--repeats", "1",
                        "--workloads", "multiturn", "--engines", "hf", "jaxkv",
                        "--out", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
@@ -53,7 +53,7 @@ def test_bench_peers_small_multiturn(capsys, tmp_path):
 
 def test_profile_runtime_attention_part(capsys):
     """The attention profile runs the reference and both gathers on a small pool."""
-    assert profile.main(["--parts", "attention", "--layers", "2", "--batch", "2",
+    assert bench(["profile", "--parts", "attention", "--layers", "2", "--batch", "2",
                          "--prompt-len", "60"]) == 0
     out = capsys.readouterr().out
     assert "reference attention" in out and "page-major pool" in out
@@ -66,7 +66,7 @@ def test_bench_serve_small_run(capsys, tmp_path):
     """Clients against the in-process server and the offline column, on the embedded model."""
     from jaxkv.model.pretrained import DEFAULT_MODEL_DIR
 
-    assert serve.main(["--model", str(DEFAULT_MODEL_DIR), "--num-prompts", "3",
+    assert bench(["serve", "--model", str(DEFAULT_MODEL_DIR), "--num-prompts", "3",
                        "--concurrency", "2", "--input-len", "8", "--output-len", "4",
                        "--no-warmup", "--out", str(tmp_path / "s.png")]) == 0
     out = capsys.readouterr().out
@@ -80,7 +80,7 @@ def test_kv_accuracy_small_run(capsys):
     """KV quantization accuracy on the embedded model: two chunks of held text, 8 greedy
     tokens; every kv dtype has a row, auto's errors are exactly 0, int8's stay small. (An
     8-token prompt prefills with the decode step's program: 6 compiles, not 9.)"""
-    assert kv_accuracy.main(["--models", "tiny", "--tokens", "128", "--chunk", "64",
+    assert bench(["kv-accuracy", "--models", "tiny", "--tokens", "128", "--chunk", "64",
                              "--new-tokens", "8", "--prompts", "1", "--random-prompts", "8"]) == 0
     out = capsys.readouterr().out
     cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()]
@@ -95,7 +95,7 @@ def test_bench_host_tier_small_run(capsys, tmp_path):
     """Host tier off vs on on the embedded model, 4 conversations x 2 turns through a pool
     that keeps about 1: identical greedy outputs, fewer prompt tokens recomputed with the
     tier (the rest copied back from host memory), nothing compiled after warmup."""
-    assert host_tier.main([
+    assert bench(["host-tier",
         "--conversations", "4", "--turns", "2", "--new-tokens", "4", "--pool-convs", "1",
         "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
         "--out", str(tmp_path / "h.png")]) == 0
@@ -120,7 +120,7 @@ def test_kv_capacity_small_run(capsys, tmp_path):
     """The capacity tables from the calculator (three presets) and the embedded model's own
     pool: int8 holds 1.97x / 3.94x the tokens of bf16 / fp32 at head_dim 128, the engine's
     bytes per token equal the calculator's, a 70B model is split over 2 devices."""
-    assert kv_capacity.main([
+    assert bench(["kv-capacity",
         "--models", "smollm2-135m", "llama-3-8b", "llama-2-70b", "--engine-models", "tiny",
         "--engine-mib", "8", "--out", str(tmp_path / "k.png")]) == 0
     out = capsys.readouterr().out
@@ -145,10 +145,8 @@ def test_kv_capacity_small_run(capsys, tmp_path):
 def test_bench_quant_small_run(capsys, tmp_path):
     """The quantized-weights bench on SmolLM2: a row per variant, the kept GGUF blocks give the
     fp32 model's perplexity within the activation rounding, int8 within a few percent."""
-    from jaxkv.bench import quant
-
     path = tmp_path / "quant.json"
-    assert quant.main(["--models", "smollm2", "--variants", "fp32", "int8", "gguf",
+    assert bench(["quant", "--models", "smollm2", "--variants", "fp32", "int8", "gguf",
                        "--new-tokens", "2", "--batch", "2", "--repeats", "1", "--no-llama-cpp",
                        "--json", str(path)]) == 0
     out = capsys.readouterr().out

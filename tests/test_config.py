@@ -22,9 +22,12 @@ from jaxkv.config import (
     config_fields,
 )
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 
 @pytest.mark.parametrize("section, field, value", [
     (CacheConfig, "page_size", 0),
+    (CacheConfig, "page_size", 24),
     (CacheConfig, "num_pages", -3),
     (CacheConfig, "kv_cache_memory_fraction", 1.5),
     (CacheConfig, "kv_cache_dtype", "int4"),
@@ -44,6 +47,15 @@ def test_a_bad_value_is_refused_naming_its_field(section, field, value):
         section(**{field: value})
     with pytest.raises(ValueError, match=field):
         EngineConfig.from_kwargs(**{field: value})
+
+
+def test_llm_refuses_a_bad_page_size_before_loading_anything():
+    """LLM(page_size=24) fails in the config, naming the field and the rule, before a model is
+    looked up (an unknown model name would fail differently, and later)."""
+    from jaxkv import LLM
+
+    with pytest.raises(ValueError, match=r"CacheConfig.page_size must be a power of two.*24"):
+        LLM("no/such-model-is-ever-loaded", page_size=24)
 
 
 def test_host_tier_needs_the_prefix_cache():

@@ -24,6 +24,8 @@ from jaxkv.engine.request import Request, RequestStatus
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 EOS = 1
 POISON = ("poison",)
 

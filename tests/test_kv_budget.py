@@ -14,6 +14,8 @@ import jaxkv
 from jaxkv.engine import kv_budget as kb
 from jaxkv.engine.pool_plan import weights_to_place
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 GiB = 2**30
 
 

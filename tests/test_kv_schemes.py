@@ -8,6 +8,8 @@ import pytest
 
 from jaxkv.bench import kv_schemes
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 
 def _keys(seed=0, t=48, k=2, d=16):
     x = np.random.default_rng(seed).standard_normal((t, k, d)).astype(np.float32)

@@ -7,6 +7,8 @@ import pytest
 
 from jaxkv.kv import KVStateError, PagedKVState, init_state, write_kv
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 
 def test_init_state_shapes(tiny_config):
     s = init_state(tiny_config, num_pages=10, page_size=4)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Rank of each layer: a module may import its own layer and layers of a lower rank only.
@@ -69,6 +71,68 @@ def test_imports_point_down():
             if other is not None and other != mine and RANK[other] > RANK[mine]:
                 up.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports {name} ({other})")
     assert not up, "\n".join(up)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the modules of this repository it imports, anywhere in the file (inside
+    functions and under TYPE_CHECKING too: a lazy import hides a cycle, it does not remove
+    it). ``from package import module`` is an edge to the module."""
+    modules = dict(_sources())
+    graph = {}
+    for module, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                if subs:
+                    edges |= subs
+                elif node.module in modules:
+                    edges.add(node.module)
+        graph[module] = edges - {module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # the package's own __init__ re-exports its modules; a module importing the package
+    # facade (`import jaxkv`) is an application above it, checked by the layers above
+    cycles = [c for c in _cycles({m: e - {"jaxkv", "pallas_kernels"} for m, e in graph.items()})]
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_a_cycle_would_be_caught():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_kernels_import_no_jaxkv_and_nothing_imports_jax_internals():

@@ -17,6 +17,8 @@ from jaxkv.cache.memory import (
 )
 from jaxkv.memory_cli import main
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 LLAMA3_8B_CONFIG = {
     "model_type": "llama",
     "num_hidden_layers": 32,

@@ -18,6 +18,8 @@ from pallas_kernels.quant_matmul import (
     quantized_matmul_reference,
 )
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 RNG = np.random.default_rng(0)
 
 

@@ -22,6 +22,8 @@ from jaxkv.cache.host_radix import HostTieredRadixCache
 from jaxkv.cache.prefix import COUNTERS, SIZES, NullPrefixCache, PrefixCache
 from jaxkv.cache.radix import PrefixMatch, RadixCache
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 
 def make(num_pages=16, page_size=4):
     a = PageAllocator(num_pages)

@@ -2,6 +2,7 @@
 insert, LRU across both tiers, salts, clear(); and a multi-turn workload through the real
 Scheduler against the fake device of test_host_books, so every read is checked by content."""
 
+import pytest
 from test_host_books import EOS, FakeDevice, prefix_cache
 
 from jaxkv.cache.allocator import PageAllocator
@@ -9,6 +10,8 @@ from jaxkv.cache.host_radix import HostTieredRadixCache
 from jaxkv.engine.request import Request, cache_namespace
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
 
 
 def _cache(device_pages=8, host_slots=8, page_size=4):

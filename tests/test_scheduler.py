@@ -13,6 +13,8 @@ from jaxkv.engine.request import Request, RequestStatus
 from jaxkv.engine.scheduler import FCFS_QUEUE_LEN, MAX_SKIPS, Scheduler
 from jaxkv.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 TOKEN = 7  # every "sampled" token
 
 

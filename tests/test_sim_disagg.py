@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from numpy.testing import assert_allclose
 
+from jaxkv.bench.cli import main as bench
 from jaxkv.bench.sim import disagg as sim
 from jaxkv.bench.sim import serving_sim as core
 from jaxkv.bench.sim import step_models
+
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
 
 # a measured-kind model: t = a + b*T + c*R + d*C + e*A
 COEF = dict(a=0.01, b=1e-4, c=2e-3, d=1e-6, e=1e-8)
@@ -159,14 +162,14 @@ def test_checked_in_flops_match_the_parameter_count():
 ])
 def test_bad_arguments_are_refused_clearly(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        sim.main(argv)
+        bench(["sim-disagg", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_small_run_prints_table_and_command(capsys, tmp_path):
     out = tmp_path / "p.png"
-    assert sim.main(["--hardware", "cpu", "--scenarios", "sharegpt-loose", "--configs",
+    assert bench(["sim-disagg", "--hardware", "cpu", "--scenarios", "sharegpt-loose", "--configs",
                      "colo2", "1p1d", "--requests", "300", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     rows = [ln for ln in text.splitlines() if ln.startswith("| cpu |")]

@@ -3,14 +3,14 @@ for."""
 
 import re
 
-from jaxkv.bench import soak
+from jaxkv.bench.cli import main as bench
 
 
 def test_short_soak_loses_nothing_and_leaks_nothing(capsys):
     argv = ["--requests", "100", "--num-pages", "12", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "32", "--window", "50", "--verify", "5", "--no-warmup",
             "--abort-rate", "0.1", "--bad-rate", "0.05", "--n2-rate", "0.2"]
-    assert soak.main(argv) == 0
+    assert bench(["soak", *argv]) == 0
     out = capsys.readouterr().out
     done, completed, aborted, rejected = map(int, re.search(
         r"requests: (\d+) submitted = (\d+) completed \+ (\d+) aborted \+ (\d+) rejected",

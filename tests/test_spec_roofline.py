@@ -10,6 +10,8 @@ from jaxkv.bench import spec_roofline
 from jaxkv.bench.sim.step_models import DATA
 from jaxkv.cache.memory import PRESETS
 
+pytestmark = pytest.mark.host  # no engine: `make test-fast`
+
 H200_BW, V5E_BW = 4.8e12, 819e9
 
 

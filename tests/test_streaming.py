@@ -208,13 +208,14 @@ def stream_cases(draw, text):
         stops += draw(st.lists(st.sampled_from(["never-seen-anywhere", "q", "\n", ". "]),
                                max_size=1))
         n = draw(st.sampled_from([1, 1, 2]))
+        min_tokens = draw(st.sampled_from([0, 0, 3]))
         cases.append(dict(
             stop=stops or None, n=n, seed=draw(st.integers(0, 2**31)),
             temperature=draw(st.sampled_from([0.0, 0.7])) if n == 1 else 0.8,
-            max_tokens=draw(st.integers(1, 40)), ignore_eos=draw(st.booleans()),
+            max_tokens=draw(st.integers(max(min_tokens, 1), 40)), ignore_eos=draw(st.booleans()),
             logprobs=draw(st.sampled_from([None, 2])),
             include_stop_str_in_output=draw(st.booleans()),
-            min_tokens=draw(st.sampled_from([0, 0, 3]))))
+            min_tokens=min_tokens))
     return draw(st.sampled_from(["plain", "ngram"])), cases
 
 

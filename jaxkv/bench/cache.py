@@ -18,8 +18,6 @@ import numpy as np
 import jaxkv
 from jaxkv.bench import common
 
-NAME = "cache"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512])
@@ -75,7 +73,3 @@ def run(args) -> dict:
           f"{bound:.1f} tokens/s -> {100 / per_token / bound:.0f}% of bound")
     return dict(rows=rows, decode_s_per_token=per_token, bandwidth_bytes_s=bw,
                 weight_bytes=weight_bytes, bound_tok_s=bound)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

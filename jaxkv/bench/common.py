@@ -18,7 +18,6 @@ import os
 import platform
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 from jaxkv.cli_settings import add_engine_arguments
@@ -182,13 +181,6 @@ def run(name: str, module, parser: argparse.ArgumentParser, args) -> int:
         write_json(args.json, env, args, results)
     print(f"reproduce: {reproduce(name, parser, args)}")
     return 1 if results.get("ok") is False else 0
-
-
-def main(name: str, argv=None) -> int:
-    """``jaxkv bench NAME *argv`` in this process (what a module's ``main`` calls)."""
-    from jaxkv.bench.cli import main as bench
-
-    return bench([name, *(sys.argv[1:] if argv is None else argv)])
 
 
 # ---- shared measurements and plots -----------------------------------------------------------

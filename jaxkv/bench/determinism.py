@@ -20,8 +20,6 @@ from jaxkv.runtime.batch import PageTable, Row, build_batch
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 
-NAME = "determinism"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--attention-impl", default="reference")
@@ -66,7 +64,3 @@ def run(args) -> dict:
         print(f"{name:<22} {str(rows[name]['bitwise']):>8} {diff:>11.2e} "
               f"{str(rows[name]['same_token']):>11}")
     return {"cases": rows}
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

@@ -35,8 +35,6 @@ from jaxkv.config import cdiv
 from jaxkv.disagg import DisaggregatedEngine
 from jaxkv.sharding import make_mesh
 
-NAME = "disagg"
-
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
@@ -134,7 +132,3 @@ def run(args) -> dict:
               f"| {nbytes / (send + receive) / 1e6:.0f} |")
     return dict(ok=same == len(colocated), identical=same, requests=len(colocated),
                 prompt_pages=prompt_pages, transfers=t, mover=mover)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

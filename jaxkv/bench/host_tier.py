@@ -35,8 +35,6 @@ from jaxkv.config import cdiv
 from jaxkv.engine.llm import kv_bytes_per_token
 from jaxkv.runtime.compiles import count_compiles
 
-NAME = "host-tier"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default="tiny",
@@ -223,7 +221,3 @@ def run(args) -> dict:
                               host_bytes_max=r["host_bytes_max"],
                               turns=r["turns"])
                    for mode, r in res.items()})
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

@@ -24,8 +24,6 @@ from jaxkv.bench import common
 from jaxkv.config import cdiv
 from pallas_kernels import pack_kv, paged_decode_attention
 
-NAME = "kernels"
-
 # HBM bandwidth of common accelerators (GB/s), for the "% of peak" column; --peak-gbs overrides.
 PEAK_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "TPU v5 lite": 819, "TPU v5e": 819,
             "TPU v6 lite": 1640, "TPU v4": 1228, "TPU v5p": 2765}
@@ -175,7 +173,3 @@ def _draw(ax, rows, device) -> None:
     ax.set_title(f"paged decode attention on {device}")
     ax.legend()
     ax.tick_params(axis="x", rotation=45)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

@@ -52,7 +52,6 @@ from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.sampling import SamplingArrays
 from jaxkv.runtime.steps import make_steps
 
-NAME = "kv-accuracy"
 QUANT = ("int8", "fp8_e4m3")
 STDLIB_FILES = ("textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py",
                 "colorsys.py", "contextlib.py")
@@ -268,7 +267,3 @@ def run(args) -> dict:
         common.save_plot(args.out, lambda fig, axes: _draw(axes, results),
                          ncols=len(results), figsize=(6 * len(results), 4), squeeze=False)
     return dict(results, targets_missed=missed)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

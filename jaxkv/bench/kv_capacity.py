@@ -33,7 +33,6 @@ from jaxkv.bench import common
 from jaxkv.cache import memory
 from jaxkv.config import cdiv
 
-NAME = "kv-capacity"
 H200_GIB = 141e9 / 2**30  # 141 GB
 DTYPES = ("fp32", "bf16", "int8")
 TARGETS = {"bf16": 1.9, "fp32": 3.8}  # int8 capacity vs each, from the issue
@@ -194,7 +193,3 @@ def run(args) -> dict:
         common.save_plot(args.out, lambda fig, axes: _draw(fig, axes, rows, contexts, title),
                          ncols=len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
     return dict(calculator=rows, engine=engine_results)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

@@ -40,7 +40,6 @@ import jaxkv
 from jaxkv.bench import common, hf
 from jaxkv.model.loading import save_params
 
-NAME = "peers"
 WORKLOADS = ("single", "batch", "shared_prefix", "multiturn")
 ENGINES = {"hf": "transformers generate", "hf_cb": "transformers continuous batching",
            "jaxkv": "jaxkv Engine (tuned)", "llm": "jaxkv LLM(model) defaults",
@@ -239,7 +238,3 @@ def run(args) -> dict:
                      figsize=(9, 4.5))
     return dict(warmup={e: dict(programs=n, seconds=s) for e, (n, s) in setup.items()},
                 table=cells_json, greedy_vs_hf=agree)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

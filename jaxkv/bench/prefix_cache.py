@@ -35,8 +35,6 @@ import jaxkv
 from jaxkv.bench import common
 from jaxkv.config import cdiv
 
-NAME = "prefix-cache"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=12)
@@ -232,7 +230,3 @@ def run(args) -> dict:
     common.save_plot(args.out, lambda fig, axes: _draw(axes, a, b),
                      ncols=2, figsize=(11, 4))
     return dict(results, engine=kw)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

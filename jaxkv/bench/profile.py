@@ -32,8 +32,6 @@ from pallas_kernels import paged_decode_attention_reference
 from pallas_kernels.cpu_paged_attention import paged_decode_attention_cpu
 from pallas_kernels.cpu_paged_attention import supports as cpu_supports
 
-NAME = "profile"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=32)
@@ -231,7 +229,3 @@ PARTS = {"host": host_profile, "sampler": sampler_profile, "width": width_profil
 
 def run(args) -> dict:
     return {part: PARTS[part](args) for part in args.parts}
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

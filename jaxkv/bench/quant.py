@@ -43,7 +43,6 @@ from jaxkv.attention import dense_attention
 from jaxkv.bench import common
 from jaxkv.model.quant import QuantScheme
 
-NAME = "quant"
 VARIANTS = ("fp32", "bf16", "int8", "int8-g32", "int4-g32", "int4-g128", "gguf")
 TEXT = Path(jaxkv.__file__).resolve().parent / "assets" / "texts" / "held_text.txt"
 
@@ -287,7 +286,3 @@ def _draw(axes, rows) -> None:
         ax.set_title(title)
         ax.invert_yaxis()
         ax.tick_params(axis="y", labelsize=7)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

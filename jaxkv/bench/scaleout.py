@@ -28,8 +28,6 @@ from jaxkv.bench import common
 from jaxkv.cache.memory import PRESETS, plan_sharded
 from jaxkv.sharding import bytes_per_device, kv_replication, make_mesh
 
-NAME = "scaleout"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
@@ -116,7 +114,3 @@ def run(args) -> dict:
               f"{p.kv_bytes_per_token:>15,} {p.kv_tokens:>11,} {p.seqs:>6,} "
               f"{p.step_floor_s * 1e3:>9.1f}ms {p.weights_floor_s * 1e3:>12.1f}ms")
     return dict(measured=measured, estimates=estimates)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

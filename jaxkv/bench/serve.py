@@ -29,8 +29,6 @@ import numpy as np
 import jaxkv
 from jaxkv.bench import common
 
-NAME = "serve"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None,
@@ -182,7 +180,3 @@ def run(args) -> dict:
                      figsize=(11, 3.2))
     return dict(model=served, warmup_programs=compiled, engine=kw, online=online,
                 offline=offline)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

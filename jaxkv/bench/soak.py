@@ -33,8 +33,6 @@ import jaxkv
 from jaxkv.bench import common
 from jaxkv.config import cdiv
 
-NAME = "soak"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--requests", type=int, default=3000)
@@ -255,7 +253,3 @@ def run(args) -> dict:
     print(f"\nresult: {'OK' if ok else 'FAILED'}")
     out = {k: v for k, v in r.items() if k != "stats"}
     return dict(out, ok=ok, stats=s, storm=st)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

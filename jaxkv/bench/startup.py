@@ -18,9 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxkv.bench import common
-
-NAME = "startup"
 _WARMUP = re.compile(r"warmup: (\d+) programs ready in ([\d.]+) s \((\d+) compiled, (\d+) loaded")
 _LLM = ("import logging, sys, time; t = time.perf_counter(); import jaxkv; "
         "logging.basicConfig(); logging.getLogger('jaxkv').setLevel(logging.INFO); "
@@ -100,7 +97,3 @@ def run(args) -> dict:
                 print(f"| {what} | {i + 1} | {'empty' if i == 0 else 'warm'} | {seconds:.1f} | "
                       f"{programs} | {compiled} | {loaded} | {warm_s} |", flush=True)
     return {"model": args.model, "rows": rows}
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

@@ -33,8 +33,6 @@ from jaxkv.config import cdiv
 from jaxkv.engine.llm import kv_bytes_per_token
 from jaxkv.model.loading import save_params
 
-NAME = "throughput"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=16)
@@ -200,7 +198,3 @@ def run(args) -> dict:
                 rows=[dict(zip(keys, r, strict=True)) for r in rows],
                 kv=[dict(layout=n, bytes=b, slots=s, stored=stored) for n, b, s in kv_rows],
                 paging_bound=bound, bound_held_every_step=tr.bound_ok, greedy_vs_hf=agree)
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

@@ -82,7 +82,3 @@ def run(args) -> dict:
             print(f"| {r['layers']} | {name} | {r['programs']} | {r['compiles']} | "
                   f"{r['warmup_s']:.1f} | {r['compile_s']:.1f} | {r['decode_ms']:.1f} |")
     return {"rows": rows}
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)

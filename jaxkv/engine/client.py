@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from jaxkv.engine.plan import SchedulerOutput
+    from jaxkv.engine.reads import TokenRead
     from jaxkv.engine.request import EngineStats, RequestOutput
-    from jaxkv.engine.runner import TokenRead
     from jaxkv.model.pretrained import Model
     from jaxkv.sampling_params import SamplingParams
 

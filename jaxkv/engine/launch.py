@@ -8,16 +8,31 @@ dispatched before the loop's tokens are read (`chain`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from jaxkv.cache.allocator import PageAllocator
 from jaxkv.engine.plan import SchedulerOutput
+from jaxkv.engine.reads import LoopRun, TokenRead
 from jaxkv.engine.request import RequestStatus
-from jaxkv.engine.runner import LoopRun, TokenRead
+from jaxkv.engine.runner import ModelRunner
+from jaxkv.engine.scheduler import Scheduler
 from jaxkv.runtime.processors import has_processors
 from jaxkv.runtime.steps import MAX_STOP_IDS
 
-if TYPE_CHECKING:
-    from jaxkv.engine.engine import Engine
+
+class Engine(Protocol):
+    """What launching reads of its `jaxkv.engine.Engine` (and nothing more)."""
+
+    runner: ModelRunner
+    scheduler: Scheduler
+    allocator: PageAllocator
+    async_scheduling: bool
+
+    @property
+    def weight_version(self) -> int | str: ...
+
+    def run_cache_copies(self) -> None: ...
+
 
 SPEC_CHAIN = 2  # loops chained past a speculation-eligible sequence's last look for drafts
 LOOK_STEPS = 2  # decode steps between two looks for drafts while a sequence may find some

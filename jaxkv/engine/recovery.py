@@ -4,10 +4,23 @@ serving."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from jaxkv.engine.engine import Engine
+from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.prefix import NullPrefixCache
+from jaxkv.cache.radix import RadixCache
+from jaxkv.engine.runner import ModelRunner
+from jaxkv.engine.scheduler import Scheduler
+
+
+class Engine(Protocol):
+    """What recovery rebuilds of its `jaxkv.engine.Engine` (and nothing more)."""
+
+    runner: ModelRunner
+    scheduler: Scheduler
+    allocator: PageAllocator
+    radix: RadixCache | NullPrefixCache
+    state_resets: int
 
 
 def recover(engine: Engine) -> bool:

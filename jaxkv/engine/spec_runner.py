@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.engine.logprobs import entry, namer
+from jaxkv.engine.reads import TokenRead
 from jaxkv.runtime.batch import StepBatch, build_batch, fit, padding_batch, pow2
 from jaxkv.runtime.draft_steps import draft_loop_inputs
 from jaxkv.runtime.sampling import MAX_BANNED, token_logprobs
@@ -229,8 +230,6 @@ def launch_spec_step(runner, rows, version):
     """Dispatches a spec step (`jaxkv.runtime.steps`) over decode ``rows``: logits only at
     their positions, verification and plain sampling in one program. Returns what
     `ModelRunner.launch_step` returns."""
-    from jaxkv.engine.runner import TokenRead
-
     r = fit(len(rows), runner.row_buckets)
     batch = build_batch(rows, runner.page_table, tokens_bucket=spec_tokens(runner, r),
                         vocab_size=runner.model.config.vocab_size, window=runner.window_table)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxkv.errors import FieldError
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.structured.params import StructuredOutputsParams
 
@@ -27,14 +28,6 @@ TOOLS = "OpenAI's legacy function calling; send tools and tool_choice"
 # vLLM's older names of structured_outputs' fields
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
-
-
-class FieldError(ValueError):
-    """A request field jaxkv refuses or cannot read; ``field`` names it (the 400's param)."""
-
-    def __init__(self, field: str, why: str):
-        super().__init__(f"{field}: {why}")
-        self.field = field
 
 
 def _is(*nothing) -> Callable[[object], bool]:

@@ -8,7 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxkv.server.protocol import ChatMessage, FieldError, message_dict
+from jaxkv.errors import FieldError
+from jaxkv.server.protocol import ChatMessage, message_dict
 
 
 class TokenizeRequest(BaseModel):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from jaxkv.server.protocol import FieldError
+from jaxkv.errors import FieldError
 from jaxkv.server.tool_scan import CallScanner, PartialCall, scan_calls
 from jaxkv.structured.params import StructuredOutputsParams
 

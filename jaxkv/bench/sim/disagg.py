@@ -218,7 +218,3 @@ def run(args) -> dict:
     if not Path(data).is_file():
         raise common.UsageError(f"no step-time models at {data}: run with --measure first")
     return {"rows": report(args, data)}
-
-
-def main(argv=None) -> int:
-    return common.main(NAME, argv)
