@@ -1,4 +1,4 @@
-"""`SpeculativeConfig`: speculative decoding's settings (`jaxkv.engine.speculation`), part of
+"""`SpeculativeConfig`: speculative decoding's settings (`jaxkv.spec`), part of
 `SchedulerConfig` (no jax)."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ import dataclasses
 import json
 
 from jaxkv.config_checks import QUANTIZATIONS, nearest_name, one_of, positive
+from jaxkv.spec.methods import METHODS
 
-SPECULATIVE_METHODS = ("ngram", "self", "draft_model")
+SPECULATIVE_METHODS = tuple(METHODS)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (`jaxkv.engine.speculation`): a cheap proposer drafts up to
+    """Speculative decoding (`jaxkv.spec`): a cheap proposer drafts up to
     ``num_speculative_tokens`` tokens per decoding sequence and one target step verifies them
     (exact rejection sampling: outputs are distributed as without speculation)."""
 
@@ -59,19 +60,17 @@ class SpeculativeConfig:
         positive(name, "num_speculative_tokens", self.num_speculative_tokens, optional=True)
         for field in ("prompt_lookup_min", "prompt_lookup_max"):
             positive(name, field, getattr(self, field))
-        if self.num_draft_layers is not None and self.method != "self":
-            raise ValueError(f"{name}.num_draft_layers is for method 'self', not "
-                             f"{self.method!r}")
-        if self.method != "draft_model" and (self.model, self.quantization) != (None, None):
-            field = "model" if self.model is not None else "quantization"
-            raise ValueError(f"{name}.{field} is for method 'draft_model', not "
-                             f"{self.method!r}")
-        if self.method == "draft_model":
-            if self.model is None and self.quantization is None:
-                raise ValueError(f"{name}.model: method 'draft_model' needs a model (or a "
-                                 "quantization, to draft with a quantized copy of the target)")
-            if self.quantization is not None:
-                one_of(name, "quantization", self.quantization, QUANTIZATIONS[1:])
+        method = METHODS[self.method]
+        for other in METHODS.values():  # a setting of another method
+            for field in other.own_fields:
+                if other is not method and getattr(self, field) is not None:
+                    raise ValueError(f"{name}.{field} is for method {other.name!r}, not "
+                                     f"{self.method!r}")
+        if method.needs_one_of and all(getattr(self, f) is None for f in method.needs_one_of):
+            raise ValueError(f"{name}.{method.needs_one_of[0]}: method {self.method!r} "
+                             f"needs {method.needs}")
+        if self.quantization is not None:
+            one_of(name, "quantization", self.quantization, QUANTIZATIONS[1:])
         for field in ("num_draft_layers", "disable_by_batch_size"):
             positive(name, field, getattr(self, field), optional=True)
         m = self.min_drafts
@@ -95,7 +94,7 @@ class SpeculativeConfig:
     def k(self) -> int:
         """num_speculative_tokens, or the method's default."""
         n = self.num_speculative_tokens
-        return n if n is not None else 7 if self.method == "ngram" else 3
+        return n if n is not None else METHODS[self.method].default_k
 
     @classmethod
     def of(cls, value) -> SpeculativeConfig | None:

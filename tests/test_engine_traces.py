@@ -198,7 +198,7 @@ def test_poisoning_runs_after_the_copies_of_its_step(tiny_model, monkeypatch):
                     max_num_batched_tokens=16, debug_nan_freed_pages=True,
                     enable_prefix_caching=False)
     src, dst = engine.allocator.allocate(2)
-    engine.state = fill_pages(engine.state, np.array([src], np.int32), 1.0)
+    engine.write_kv(lambda state: fill_pages(state, np.array([src], np.int32), 1.0))
     engine.allocator.free([src])
     monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput(copies=[(src, dst)]))
     d = engine.dispatch()

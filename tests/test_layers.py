@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # The `jaxkv` package itself (its public names) is for the applications above the engine.
 RANK = {
     "pallas_kernels": 0, "jaxkv.errors": 0, "jaxkv.config": 0, "jaxkv.cli_settings": 0,
-    "jaxkv.config_checks": 0, "jaxkv.config_speculative": 0,
+    "jaxkv.config_checks": 0, "jaxkv.config_speculative": 0, "jaxkv.spec.methods": 0,
     "jaxkv.model": 1, "jaxkv.sampling_params": 1, "jaxkv.structured": 1,
     "jaxkv.kv": 2, "jaxkv.attention": 2, "jaxkv.sharding": 2, "jaxkv.distributed": 2,
     "jaxkv.cache": 2,
     "jaxkv.runtime": 3,
-    "jaxkv.engine": 4,
+    "jaxkv.engine": 4, "jaxkv.spec": 4,
     "jaxkv.disagg": 5,
     "jaxkv.engine.llm": 5.5,  # the facade: builds colocated, replicated or disaggregated engines
     "jaxkv": 6, "jaxkv.server": 6, "jaxkv.bench": 6, "jaxkv.memory_cli": 6,
@@ -32,7 +32,8 @@ HOST_ONLY = ("jaxkv.config", "jaxkv.config_checks", "jaxkv.config_speculative",
              "jaxkv.cli_settings", "jaxkv.cache.allocator", "jaxkv.cache.prefix",
              "jaxkv.cache.radix", "jaxkv.cache.host_radix", "jaxkv.cache.memory",
              "jaxkv.engine.scheduler", "jaxkv.engine.plan", "jaxkv.engine.request",
-             "jaxkv.engine.connector",
+             "jaxkv.engine.connector", "jaxkv.spec.speculator", "jaxkv.spec.ngram",
+             "jaxkv.spec.self_draft", "jaxkv.spec.methods",
              "jaxkv.disagg.connector", "jaxkv.sampling_params", "jaxkv.structured.params",
              "jaxkv.structured.grammar")
 MAX_LINES = 450  # the target (docs/architecture.md): split a file by responsibility past it
@@ -133,6 +134,28 @@ def test_no_import_cycles():
 def test_a_cycle_would_be_caught():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _state_writers() -> dict[str, list[int]]:
+    """Files (and lines) that assign an attribute named ``state`` or ``_state``."""
+    found = {}
+    for _, path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            names = [x.value if isinstance(x, ast.Starred) else x for t in targets
+                     for x in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            if any(isinstance(x, ast.Attribute) and x.attr in ("state", "_state")
+                   for x in names):
+                found.setdefault(str(path.relative_to(ROOT)), []).append(node.lineno)
+    return found
+
+
+def test_one_writer_of_the_kv_state():
+    """The engine's KV state is assigned in `ModelRunner` only (programs run through its
+    `run`/`update_state`); a draft model's own pool, in its class."""
+    writers = _state_writers()
+    assert set(writers) == {"jaxkv/engine/runner.py", "jaxkv/spec/draft_model.py"}, writers
 
 
 def test_kernels_import_no_jaxkv_and_nothing_imports_jax_internals():

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import jaxkv
 from jaxkv import Engine, SamplingParams
 from jaxkv.config import SpeculativeConfig
-from jaxkv.engine.speculation import ngram_drafts
 from jaxkv.runtime import steps as steps_module
+from jaxkv.spec.ngram import ngram_drafts
 
 SHAPE = dict(page_size=4, num_pages=40, max_num_seqs=4, max_model_len=96,
              max_num_batched_tokens=32)

@@ -401,7 +401,8 @@ def test_ngram_drafts_of_a_constrained_request_end_before_the_first_refused_toke
     from types import SimpleNamespace
 
     from jaxkv.config import SpeculativeConfig
-    from jaxkv.engine.speculation import Speculator
+    from jaxkv.spec import proposer_for
+    from jaxkv.spec.speculator import Speculator
 
     tok, c = model.tokenizer, model.config
     grammar = grammars_for(tok, c.vocab_size, c.eos_token_ids).compile(
@@ -414,8 +415,8 @@ def test_ngram_drafts_of_a_constrained_request_end_before_the_first_refused_toke
         assert matcher.consume(t)
     req = SimpleNamespace(token_ids=prompt + output, num_output_tokens=len(output),
                           sampling_params=SamplingParams(max_tokens=50), grammar=None)
-    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
-                                        prompt_lookup_min=1, prompt_lookup_max=1))
+    spec = Speculator(proposer_for(SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1)))
     free = spec.propose(req, room=8)
     req.grammar = matcher
     cut = spec.propose(req, room=8)

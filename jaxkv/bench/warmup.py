@@ -48,11 +48,11 @@ def one(layers: int, layout: str, engine_kw: dict) -> dict:
         live=np.ones(1, bool), limit=np.full(1, 8, np.int32), max_tokens=np.full(1, 99, np.int32),
         positions=np.full(1, 200, np.int32), num_steps=np.int32(8),
         page_table=np.arange(engine.max_pages_per_seq, dtype=np.int32)[None] % engine.num_pages)
-    out, _, engine.state = engine.steps.decode_loop(model.params, engine.state, loop)
+    out, _ = engine.runner.run(engine.steps.decode_loop, loop)
     out.block_until_ready()
     t, calls = time.perf_counter(), 3
     for _ in range(calls):
-        out, _, engine.state = engine.steps.decode_loop(model.params, engine.state, loop)
+        out, _ = engine.runner.run(engine.steps.decode_loop, loop)
         out.block_until_ready()
     decode = (time.perf_counter() - t) / (8 * calls)
     return dict(layers=layers, layout=layout, programs=programs, compiles=c.count,

@@ -38,10 +38,10 @@ from jaxkv.engine.pool_plan import window_slots, window_stats
 from jaxkv.engine.request import EngineStats, RequestOutput
 from jaxkv.engine.runner import LoopRun, ModelRunner
 from jaxkv.engine.scheduler import Scheduler
-from jaxkv.engine.speculation import Speculator, spec_stats
 from jaxkv.model.pretrained import Model
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.sharding import place_params
+from jaxkv.spec.speculator import Speculator, spec_stats
 
 _log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Engine:
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
                                    eos_token_ids=model.config.eos_token_ids,
                                    window=self.window,
-                                   speculator=Speculator(sched.speculative_config))
+                                   speculator=Speculator(self.runner.proposer))
         self._requests: dict[str, RequestEntry] = {}  # unfinished, by id
         self._pending: list[RequestOutput] = []  # ended off-step (aborts): the next step's
         self._num_added = self._prompt_tokens = 0
@@ -131,8 +131,7 @@ class Engine:
     model = property(lambda self: self.runner.model)
     steps = property(lambda self: self.runner.steps,
                      lambda self, steps: setattr(self.runner, "steps", steps))
-    state = property(lambda self: self.runner.state,
-                     lambda self, state: setattr(self.runner, "state", state))
+    state = property(lambda self: self.runner.state)  # read-only: `write_kv` replaces it
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -318,7 +317,7 @@ class Engine:
     def write_kv(self, update) -> None:
         """Replaces the KV state by ``update(state)`` (the state is donated): how pages copied
         in from another engine (`jaxkv.disagg`) land in this one's pool."""
-        self.runner.state = update(self.runner.state)
+        self.runner.update_state(update)
 
     def use_connector(self, connector: SchedulerConnector) -> None:
         """Plugs in where requests go when they leave before finishing

@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 
 from jaxkv.config import DisaggConfig, EngineConfig, field_sections, unknown_setting
 from jaxkv.disagg import DisaggregatedEngine
-from jaxkv.engine.draft_model import load_draft
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.pool_plan import model_kv_spec, plan_kv_pool
 from jaxkv.engine.replicas import ReplicatedEngine
@@ -24,6 +23,7 @@ from jaxkv.model.quant import QuantScheme
 from jaxkv.runtime.compile_cache import use_compile_cache
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.sharding import make_mesh
+from jaxkv.spec import proposer_for
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +104,12 @@ class LLM:
         if quant is not None and model.quantization is None:
             model = quantize(model, quant)
         split = [(devices[:need], tp)] if sides is None else sides
-        spec = load_draft(cfg.scheduler.speculative_config, model,
-                          on_host=need > 1 or sides is not None)
+        proposer = proposer_for(cfg.scheduler.speculative_config)
+        spec = None if proposer is None else proposer.load(model,
+                                                           on_host=need > 1 or sides is not None)
         if spec is not cfg.scheduler.speculative_config:  # loaded once, for every engine
             cfg = EngineConfig.from_kwargs(cfg, speculative_config=spec)
-        if sides is not None or spec is not None and spec.method == "draft_model":
+        if sides is not None or proposer is not None and proposer.reads_every_position:
             # hand-offs carry every layer's pages, and a draft model reads every position's
             # pages of its own: local layers keep all
             cfg = EngineConfig.from_kwargs(cfg, window_kv=False)

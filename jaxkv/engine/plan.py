@@ -19,7 +19,7 @@ class ScheduledRow:
     request: Request
     samples: tuple[Request, ...] = ()  # sequences sampling from this row's last logits
     # Speculative decoding: tokens[1:] are drafts (placeholders the device fills, for
-    # ``self``); the row emits the accepted ones and one more (`jaxkv.engine.speculation`).
+    # ``self``); the row emits the accepted ones and one more (`jaxkv.spec`).
     num_draft: int = 0
 
     @property

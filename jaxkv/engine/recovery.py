@@ -35,9 +35,7 @@ def recover(engine: Engine) -> bool:
         engine.radix.clear()
         if runner.debug_nan_freed_pages:
             engine.allocator.drain_freed()  # the new state starts zeroed
-        runner.state = runner.new_state()
-        if runner.draft_model is not None:  # (its pool may be the one lost)
-            runner.draft_model.state = runner.draft_model.new_state(runner)
+        runner.reset_state()  # (and the draft's pool: it may be the one lost)
         engine.state_resets += 1  # (a DisaggregatedEngine's hand-offs lost their KV too)
     elif host is not None and host.loads_skipped:  # entries promoted for loads that never
         engine.radix.clear()  # ran: only the failed requests held them, so every such goes

@@ -64,7 +64,7 @@ class Request:
     # weights that sampled each output token.
     kv_version: int | str | None = None
     token_versions: list[int | str] = dataclasses.field(default_factory=list)
-    # Speculative decoding (`jaxkv.engine.speculation`): draft tokens verified for it, those
+    # Speculative decoding (`jaxkv.spec`): draft tokens verified for it, those
     # accepted, and whether it still speculates.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

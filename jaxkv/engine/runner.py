@@ -30,7 +30,6 @@ from jaxkv.cache.window import WindowSlots
 from jaxkv.config import EngineConfig, cdiv
 from jaxkv.engine import logprobs, spec_runner
 from jaxkv.engine import warmup as compile_ahead
-from jaxkv.engine.draft_model import DraftModel, load_draft
 from jaxkv.engine.host_tier import HostKVPool
 from jaxkv.engine.plan import ScheduledRow, SchedulerOutput
 from jaxkv.engine.reads import LoopRun, TokenRead
@@ -49,6 +48,7 @@ from jaxkv.runtime.steps import (
 )
 from jaxkv.sampling_params import MAX_LOGPROBS
 from jaxkv.sharding import commit, shard, shard_state
+from jaxkv.spec import proposer_for
 from jaxkv.structured.grammar import grammars_for
 from pallas_kernels.quant import is_quantized, pages_per_scale_row, storage_dtype
 
@@ -92,9 +92,10 @@ class ModelRunner:
         if steps is None:
             steps = default_decode_steps()
         spec = sched.speculative_config
+        self.proposer = proposer_for(spec)  # speculative decoding's method (None: off)
         self.spec_k = 0 if spec is None else spec.k
-        self.steps = make_steps(model.graphdef, impl, mesh, steps,
-                                spec_runner.draft_program(spec, model.config))
+        self.steps = make_steps(model.graphdef, impl, mesh, steps, None if spec is None else
+                                self.proposer.draft_program(model.config))
         self.token_buckets = ladder(max(sched.max_num_batched_tokens, max_num_seqs))
         self.row_buckets = tuple(sorted({min(4 ** i, max_num_seqs)
                                          for i in range(max_num_seqs.bit_length())}
@@ -106,18 +107,13 @@ class ModelRunner:
         self.window_table = None if window is None else \
             WindowTable(max_num_seqs, self.max_pages_per_seq, window)
         self.debug_nan_freed_pages = cache.debug_nan_freed_pages
-        self.state = self.new_state()
+        self._state = self.new_state()  # the KV state: assigned in this class only
         self.host_pool = self._host_pool(cache.host_kv_cache_bytes)
         self.num_steps = 0  # device steps run (a loop's count as many as it ran)
         self.grammars = grammars_for(model.tokenizer, model.config.vocab_size,
                                      model.config.eos_token_ids)  # structured outputs
-        self.draft_model = None  # speculative decoding's draft_model: its own pool and books
-        if spec is not None and spec.method == "draft_model":
-            if window is not None:
-                raise ValueError("Engine: speculative_config method 'draft_model' needs "
-                                 "window_kv=False (the draft keeps every position's K/V)")
-            draft = load_draft(spec, model, on_host=mesh is not None).model
-            self.draft_model = DraftModel(draft, self, spec.k, max_model_len)
+        # a drafter with weights and a KV pool of its own (draft_model), or None
+        self.draft_model = None if spec is None else self.proposer.drafter(self, max_model_len)
 
     @property
     def drafts_on_device(self) -> bool:
@@ -144,6 +140,31 @@ class ModelRunner:
         # state (committed) runs in the same programs as the first one.
         return commit(state) if self.mesh is None else shard_state(state, self.mesh)
 
+    @property
+    def state(self):
+        """The KV state (read-only: programs that change it run through `run` or
+        `update_state`, which keep what they return)."""
+        return self._state
+
+    def run(self, program, *args, params=None):
+        """Runs ``program(params, state, *args)``, a program that donates the KV state and
+        returns ``(*outputs, state)``; keeps the new state and returns the outputs (one, or a
+        tuple). ``params``: the model's unless given."""
+        *out, self._state = program(self.model.params if params is None else params,
+                                    self._state, *args)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def update_state(self, fn, *args) -> None:
+        """Replaces the KV state by ``fn(state, *args)`` (the state is donated): page copies,
+        the host tier's moves, pages written in from another engine."""
+        self._state = fn(self._state, *args)
+
+    def reset_state(self) -> None:
+        """A zeroed KV state (after a failure lost the old one), and the draft's pool with it."""
+        self._state = self.new_state()
+        if self.draft_model is not None:
+            self.draft_model.reset(self)
+
     def state_lost(self) -> bool:
         """True if the KV state is unusable: donated to a step that failed before returning
         (deleted buffers), or the output of a step that failed on the device after returning
@@ -160,20 +181,18 @@ class ModelRunner:
     def run_host_copies(self, moves) -> None:
         """Runs the host tier's queued copies (before anything reads or reuses those pages)."""
         if self.host_pool is not None and moves:
-            self.state = self.host_pool.run(self.state, moves)
+            self.update_state(self.host_pool.run, moves)
 
     def copy_pages(self, copies, window_copies=()) -> None:
         """Device page copies (src, dst): prefix reuse of a partly matched page, copy-on-write;
         ``window_copies``: the same copies' local-layer slots (window-only KV)."""
         if copies:
-            self.state = copy_pages_padded(self.state, copies, self.copy_buckets,
-                                           window_copies)
+            self.update_state(copy_pages_padded, copies, self.copy_buckets, window_copies)
 
     def poison_pages(self, pages) -> None:
         """Fills ``pages`` with NaN (debug_nan_freed_pages: a later read of them would show)."""
         if pages:
-            self.state = fill_pages_padded(self.state, pages, float("nan"),
-                                           self.copy_buckets[-1])
+            self.update_state(fill_pages_padded, pages, float("nan"), self.copy_buckets[-1])
 
     def set_params(self, placed) -> None:
         """Serves ``placed`` (already placed like the current params) from the next launch;
@@ -219,8 +238,7 @@ class ModelRunner:
                 (spec_runner.committed_tokens(self, batch), None)
         keys, arrays = self.sampling([(r.slot, r.samples[0]) for r in rows if r.samples])
         params = self.model.params
-        tokens, logits, hidden, self.state = self.steps.step(params, self.state, batch, keys,
-                                                             arrays)
+        tokens, logits, hidden = self.run(self.steps.step, batch, keys, arrays, params=params)
         self.num_steps += 1
         verified = spec_runner.dispatch_verify(self, spec, batch, hidden, drafts) \
             if spec else None
@@ -311,7 +329,7 @@ class ModelRunner:
 
     def _run_loop(self, plan, loop: DecodeLoopBatch, starts, limits, generated, table,
                   version) -> LoopRun:
-        out, after, self.state = self.steps.decode_loop(self.model.params, self.state, loop)
+        out, after = self.run(self.steps.decode_loop, loop)
         rows = len(plan.decode_rows)
 
         def read():

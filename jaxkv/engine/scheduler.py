@@ -26,7 +26,7 @@ cache queues the copies for the engine to run before the step.
 
 With window-only KV (`jaxkv.cache.window`), a running sequence also pins the local-layer slots
 of the pages from the first one its next query sees to its last (`WindowPins`). With
-speculative decoding, a decode row carries draft tokens too (`jaxkv.engine.speculation`).
+speculative decoding, a decode row carries draft tokens too (`jaxkv.spec`).
 
 Prefix-cache entries live in the namespace (cache_salt, weight version) of the request that
 computed them (`Request.cache_namespace`; the version is ``weight_version`` at its admission),
@@ -51,8 +51,8 @@ from jaxkv.config import cdiv
 from jaxkv.engine.connector import NullConnector, SchedulerConnector
 from jaxkv.engine.plan import ScheduledRow, SchedulerCounters, SchedulerOutput
 from jaxkv.engine.request import Request, RequestStatus, cache_namespace
-from jaxkv.engine.speculation import Speculator
 from jaxkv.engine.window_pins import WindowPins
+from jaxkv.spec.speculator import Speculator
 
 FCFS_QUEUE_LEN = 64  # longer waiting queues are served in arrival order (no prefix probing)
 MAX_SKIPS = 16  # steps that admit a later arrival ahead of a waiting sequence, before it goes first

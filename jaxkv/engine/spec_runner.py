@@ -1,6 +1,6 @@
 """Speculative decoding's device side for a `ModelRunner`: drafting on device (``self``,
 ``draft_model``), and
-verifying every speculating row of a ragged step (`jaxkv.engine.speculation` has the host's
+verifying every speculating row of a ragged step (`jaxkv.spec` has the host's
 part, `jaxkv.runtime.spec_verify` the rule).
 
 A step with speculating rows runs as any ragged step (each such row holds its pending token and
@@ -35,20 +35,6 @@ from jaxkv.sharding import commit
 from jaxkv.structured.grammar import bitmask_words
 
 
-def draft_program(config, model_config) -> tuple[int, int] | None:
-    """(k, layers) of the self-speculation draft of ``config`` (a SpeculativeConfig or None)
-    for a model; None for other methods. ValueError naming num_draft_layers if the draft would
-    be the whole model."""
-    if config is None or config.method != "self":
-        return None
-    total = model_config.num_layers
-    layers = config.num_draft_layers or max(1, total // 2)
-    if layers >= total:
-        raise ValueError(f"speculative_config.num_draft_layers={layers}: the draft must be "
-                         f"fewer layers than the model's {total}")
-    return config.k, layers
-
-
 @jax.jit
 def _place(tokens, at, out):
     """(``tokens`` with the draft loop's ``out`` (i32[K, R]) written at ``at`` (i32[R, K]; past
@@ -70,7 +56,7 @@ def committed_tokens(runner, batch: StepBatch) -> StepBatch:
 
 def draft_on_device(runner, rows, batch: StepBatch) -> tuple[StepBatch, jax.Array]:
     """Runs the device's draft (``self``: the first layers; ``draft_model``: the draft
-    model, `jaxkv.engine.draft_model`) for ``rows`` (their pages and tables already set by
+    model, `jaxkv.spec.draft_model`) for ``rows`` (their pages and tables already set by
     `build_batch`) and writes its tokens into ``batch``; returns the batch and the drafts
     (i32[R, K], -1 past each row's ``num_draft``)."""
     k = runner.spec_k
@@ -90,8 +76,7 @@ def draft_on_device(runner, rows, batch: StepBatch) -> tuple[StepBatch, jax.Arra
             table[i] = runner.page_table.table[row.slot]
             if loop.window_page_table is not None:
                 loop.window_page_table[i] = runner.window_table.table[row.slot]
-        out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
-                                                  loop.replace(page_table=table))
+        out, _ = runner.run(runner.steps.draft, loop.replace(page_table=table))
     tokens, drafts = _place(batch.tokens, at, out)
     return batch.replace(tokens=tokens), drafts
 
@@ -237,9 +222,9 @@ def launch_spec_step(runner, rows, version):
     if runner.drafts_on_device:
         batch, drafts = draft_on_device(runner, rows, batch)
     idx, draft, num, keys, arrays, banned, mask = _inputs(runner, rows, batch.cu_q_lens, drafts)
-    tokens, logits, runner.state = runner.steps.spec_step(
-        runner.model.params, runner.state, batch, idx, draft if drafts is None else drafts,
-        num, keys, arrays, banned, mask)
+    tokens, logits = runner.run(runner.steps.spec_step, batch, idx,
+                                draft if drafts is None else drafts, num, keys, arrays, banned,
+                                mask)
     runner.num_steps += 1
     verified = Verified(list(rows), tokens, _logprobs(rows, tokens, logits), runner.draft_model)
     tokenizer = runner.model.tokenizer
@@ -256,8 +241,7 @@ def warm_draft(runner, r: int) -> None:
     if runner.draft_model is not None:
         out = runner.draft_model.warm(runner, r)
     else:
-        out, _, runner.state = runner.steps.draft(runner.model.params, runner.state,
-                                                  _draft_inputs(runner, r))
+        out, _ = runner.run(runner.steps.draft, _draft_inputs(runner, r))
     for t in {*runner.token_buckets, spec_tokens(runner, r)}:
         _, drafts = _place(np.zeros(t, np.int32), np.full((r, runner.spec_k), t, np.int32), out)
     _warm_verify_rows(runner, r, drafts)
@@ -271,8 +255,8 @@ def _warm_spec_step(runner, r: int, drafts) -> None:
         batch = committed_tokens(runner, batch)
     k1 = runner.spec_k + 1
     keys, arrays = runner.sampling([], rows=r)
-    tokens, logits, runner.state = runner.steps.spec_step(
-        runner.model.params, runner.state, batch, np.zeros((r, k1), np.int32), drafts,
+    tokens, logits = runner.run(
+        runner.steps.spec_step, batch, np.zeros((r, k1), np.int32), drafts,
         np.zeros(r, np.int32), keys, arrays, np.full((r, k1, MAX_BANNED), -1, np.int32),
         None)  # (no grammar row: as serving passes it)
     token_logprobs(logits, jnp.maximum(tokens, 0).reshape(-1), MAX_LOGPROBS)

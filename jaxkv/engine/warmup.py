@@ -3,8 +3,10 @@
 An engine runs a handful of programs: the ragged step once per token bucket, the decode loop
 once per row bucket, page copies per copy bucket, the fork sampler, the masked draw of
 structured outputs' rows per row bucket, the host tier's page gather and load per copy bucket
-(with ``host_kv_cache_bytes``), and (debug only) the page poisoner. `engine_programs` lists
-them; `warmup` runs each on padding-only inputs (no page changes) and derives one request key.
+(with ``host_kv_cache_bytes``), and (debug only) the page poisoner. Each kind is registered
+once in `PROGRAMS` with its sizes on a runner and how it runs on padding; `engine_programs`
+lists what the registry gives a runner and `warmup` runs exactly that (no page changes), so a
+program added to the registry cannot go unwarmed.
 Afterwards serving compiles nothing, so no request waits on a compile and host memory stays
 flat (logits processors with entries, and a speculating grammar's masked verification,
 compile on first use).
@@ -12,9 +14,11 @@ compile on first use).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -32,27 +36,115 @@ from jaxkv.sampling_params import MAX_LOGPROBS, SamplingParams
 _log = logging.getLogger(__name__)
 
 
-def engine_programs(engine) -> list[tuple[str, int]]:
-    """(kind, size) of every program ``engine`` (an engine's `ModelRunner`) can run."""
-    progs = [("step", t) for t in engine.token_buckets]
-    if engine.steps.max_decode_steps > 1:
-        progs += [("decode_loop", r) for r in engine.row_buckets]
-    progs += [("copy_pages", n) for n in engine.copy_buckets]
-    progs.append(("sample", engine.max_num_seqs))
-    progs.append(("logprobs", engine.max_num_seqs))
-    if engine.model.tokenizer is not None:  # structured outputs: masked draws per row bucket
-        progs += [("sample_masked", r) for r in engine.row_buckets]
-    if engine.spec_k:  # speculative decoding: a gather per (token, row) bucket pair, then
-        # verification per row bucket (and the draft's programs, when drafts come from the device)
-        progs += [("verify", (t, r)) for t in engine.token_buckets for r in engine.row_buckets]
-        if engine.drafts_on_device:
-            progs += [("draft", r) for r in engine.row_buckets]
-    if engine.debug_nan_freed_pages:
-        progs.append(("fill_pages", engine.copy_buckets[-1]))
-    if engine.host_pool is not None:
-        progs += [("host_save", n) for n in engine.host_pool.sizes]
-        progs += [("host_load", n) for n in engine.host_pool.sizes]
-    return progs
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A kind of program an engine runs."""
+
+    kind: str
+    sizes: Callable[[object], Sequence]
+    """Its buckets on a runner (none: that engine never runs it)."""
+    warm: Callable[[object, object, dict], None]
+    """Runs it once at a size on padding (writes no page); ``ctx`` carries what a later kind
+    takes from an earlier one (a step's logits: the samplers' inputs as serving passes them)."""
+    lower: Callable[[object, object], object] | None = None
+    """Lowers it at a size, for the big ones that compile side by side (`_precompile`)."""
+
+
+def _padding(runner, t: int):
+    """A padding step batch of t tokens, as this runner's steps take it."""
+    batch = padding_batch(t, runner.page_table, runner.window_table)
+    return spec_runner.committed_tokens(runner, batch) if runner.drafts_on_device else batch
+
+
+def _warm_step(runner, size, ctx) -> None:
+    ctx["keys"], ctx["arrays"] = runner.sampling([])
+    ctx["tokens"], ctx["logits"], _ = runner.run(runner.steps.step, _padding(runner, size),
+                                                 ctx["keys"], ctx["arrays"])
+
+
+def _lower_step(runner, size):
+    keys, arrays = runner.sampling([])
+    return runner.steps.step.lower(runner.model.params, runner.state, _padding(runner, size),
+                                   keys, arrays)
+
+
+def _warm_decode_loop(runner, size, ctx) -> None:
+    idle = idle_decode_loop(runner, size)
+    _, after = runner.run(runner.steps.decode_loop, idle)
+    # A continuation takes the previous loop's outputs (device arrays, placed as the mesh puts
+    # them), which may be a different signature from host arrays.
+    runner.run(runner.steps.decode_loop, after.replace(
+        page_table=idle.page_table, limit=idle.limit, num_steps=idle.num_steps,
+        window_page_table=idle.window_page_table))
+
+
+def _lower_decode_loop(runner, size):
+    return runner.steps.decode_loop.lower(runner.model.params, runner.state,
+                                          idle_decode_loop(runner, size))
+
+
+def _warm_copy_pages(runner, size, ctx) -> None:  # one pair to a dropped destination
+    runner.update_state(copy_pages_padded, [(0, runner.num_pages)], (size,))
+
+
+def _warm_sample(runner, size, ctx) -> None:  # the fork sampler: one shape for every step
+    ctx["forked"] = sample(ctx["logits"], ctx["keys"], ctx["arrays"])
+
+
+def _warm_logprobs(runner, size, ctx) -> None:  # of a step's tokens, and of a fork's
+    for drawn in (ctx["tokens"], ctx["forked"]):
+        token_logprobs(ctx["logits"], drawn, MAX_LOGPROBS)
+
+
+def _warm_sample_masked(runner, size, ctx) -> None:
+    sample_processed(ctx["logits"], ctx["keys"], ctx["arrays"], idle_masks(
+        size, runner.max_num_seqs, runner.model.config.vocab_size), ctx["tokens"])
+
+
+def _warm_fill_pages(runner, size, ctx) -> None:
+    runner.update_state(fill_pages_padded, [runner.num_pages], float("nan"), size)
+
+
+def _warm_host(runner, kind, size) -> None:  # a padding page: reads zeros, writes nothing
+    pool = runner.host_pool
+    runner.update_state(pool.run, [("save", [runner.num_pages] * size, [0] * size)]
+                        if kind == "save" else [("load", [0] * size, [runner.num_pages] * size)])
+    pool.discard()
+    pool.saved_pages = pool.loaded_pages = 0
+
+
+def _host_sizes(runner):
+    return () if runner.host_pool is None else runner.host_pool.sizes
+
+
+# In the order warmup runs them: the samplers after the steps whose logits they take.
+PROGRAMS = (
+    Program("step", lambda r: r.token_buckets, _warm_step, _lower_step),
+    Program("decode_loop", lambda r: r.row_buckets if r.steps.max_decode_steps > 1 else (),
+            _warm_decode_loop, _lower_decode_loop),
+    Program("copy_pages", lambda r: r.copy_buckets, _warm_copy_pages),
+    Program("sample", lambda r: (r.max_num_seqs,), _warm_sample),
+    Program("logprobs", lambda r: (r.max_num_seqs,), _warm_logprobs),
+    # structured outputs: masked draws per row bucket
+    Program("sample_masked", lambda r: r.row_buckets if r.model.tokenizer is not None else (),
+            _warm_sample_masked),
+    # speculative decoding: a gather per (token, row) bucket pair, then verification per row
+    # bucket (and the draft's programs, when drafts come from the device)
+    Program("verify", lambda r: [(t, b) for t in r.token_buckets for b in r.row_buckets]
+            if r.spec_k else (), lambda r, size, ctx: spec_runner.warm_verify(r, *size)),
+    Program("draft", lambda r: r.row_buckets if r.spec_k and r.drafts_on_device else (),
+            lambda r, size, ctx: spec_runner.warm_draft(r, size)),
+    Program("fill_pages", lambda r: r.copy_buckets[-1:] if r.debug_nan_freed_pages else (),
+            _warm_fill_pages),
+    Program("host_save", _host_sizes, lambda r, size, ctx: _warm_host(r, "save", size)),
+    Program("host_load", _host_sizes, lambda r, size, ctx: _warm_host(r, "load", size)),
+)
+_BY_KIND = {p.kind: p for p in PROGRAMS}
+
+
+def engine_programs(runner) -> list[tuple[str, object]]:
+    """(kind, size) of every program ``runner`` (an engine's `ModelRunner`) can run."""
+    return [(p.kind, size) for p in PROGRAMS for size in p.sizes(runner)]
 
 
 def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
@@ -72,99 +164,48 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
         window_page_table=getattr(engine, "runner", engine).window_rows(rows))
 
 
-def _padding(engine, t: int):
-    """A padding step batch of t tokens, as this engine's steps take it."""
-    batch = padding_batch(t, engine.page_table, engine.window_table)
-    return spec_runner.committed_tokens(engine, batch) if engine.drafts_on_device else batch
-
-
-def _precompile(engine, progs) -> None:
-    """Compiles the step and decode-loop programs side by side, one per core: XLA releases
-    the GIL while it compiles, and a compiled program lands in the cache a later call of the
-    same signature hits (the runs in `warmup` then compile nothing)."""
-    params, state = engine.model.params, engine.state
-    keys, arrays = engine.sampling([])
-
-    def compile_one(prog):
-        kind, size = prog
-        if kind == "step":
-            engine.steps.step.lower(params, state, _padding(engine, size), keys, arrays
-                                    ).compile()
-        else:
-            engine.steps.decode_loop.lower(params, state, idle_decode_loop(engine, size)
-                                           ).compile()
-
-    big = [p for p in progs if p[0] in ("step", "decode_loop")]
+def _precompile(runner, progs) -> None:
+    """Compiles the programs that have a ``lower`` (the steps and decode loops) side by side,
+    one per core: XLA releases the GIL while it compiles, and a compiled program lands in the
+    cache a later call of the same signature hits (the runs in `warmup` then compile
+    nothing)."""
+    big = [(kind, size) for kind, size in progs if _BY_KIND[kind].lower is not None]
     workers = min(len(big), os.cpu_count() or 1)
     if workers < 2:
         return
     start = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
-        for i, _ in enumerate(pool.map(compile_one, big)):  # (re-raises the first failure)
+        compiled = pool.map(lambda prog: _BY_KIND[prog[0]].lower(runner, prog[1]).compile(), big)
+        for i, _ in enumerate(compiled):  # (re-raises the first failure)
             kind, size = big[i]
             _log.info("warmup: %s %s compiled (%d/%d of the steps and loops, %.1f s)", kind,
                       size, i + 1, len(big), time.perf_counter() - start)
 
 
-def warmup(engine) -> int:
-    """Compiles every program of `engine_programs` on ``engine`` (an engine's `ModelRunner`);
+def warmup(runner) -> int:
+    """Compiles every program of `engine_programs` on ``runner`` (an engine's `ModelRunner`);
     returns how many there are."""
-    progs = engine_programs(engine)
+    progs = engine_programs(runner)
     start = time.perf_counter()
     with count_compiles() as compiles:
-        _precompile(engine, progs)
-        _run_all(engine, progs)
+        _precompile(runner, progs)
+        _run_all(runner, progs)
     _log.info("warmup: %d programs ready in %.1f s (%d compiled, %d loaded from the compilation "
               "cache)", len(progs), time.perf_counter() - start, compiles.compiled,
               compiles.cache_hits)
     return len(progs)
 
 
-def _run_all(engine, progs) -> None:
+def _run_all(runner, progs) -> None:
     """Runs each program once on padding inputs (compiling those `_precompile` did not)."""
     start = last = time.perf_counter()
+    ctx: dict = {}
     for i, (kind, size) in enumerate(progs):
         now = time.perf_counter()
         if now - last >= 1.0:  # the one before compiled: say where warmup is
             _log.info("warmup: %d/%d programs ready (%.1f s); next: %s %s", i, len(progs),
                       now - start, kind, size)
         last = now
-        if kind == "step":
-            keys, arrays = engine.sampling([])
-            tokens, logits, _, engine.state = engine.steps.step(
-                engine.model.params, engine.state, _padding(engine, size), keys, arrays)
-            forked = sample(logits, keys, arrays)  # the fork sampler: one shape for all
-            for drawn in (tokens, forked):  # logprobs of a step's or a fork's tokens
-                token_logprobs(logits, drawn, MAX_LOGPROBS)
-        elif kind == "sample_masked":  # (after the steps: it takes a step's logits)
-            sample_processed(logits, keys, arrays, idle_masks(
-                size, engine.max_num_seqs, engine.model.config.vocab_size), tokens)
-        elif kind == "decode_loop":
-            idle = idle_decode_loop(engine, size)
-            _, after, engine.state = engine.steps.decode_loop(engine.model.params,
-                                                              engine.state, idle)
-            # A continuation takes the previous loop's outputs (device arrays, placed as the
-            # mesh puts them), which may be a different signature from host arrays.
-            chained = after.replace(page_table=idle.page_table, limit=idle.limit,
-                                    num_steps=idle.num_steps,
-                                    window_page_table=idle.window_page_table)
-            _, _, engine.state = engine.steps.decode_loop(engine.model.params, engine.state,
-                                                          chained)
-        elif kind == "verify":
-            spec_runner.warm_verify(engine, *size)
-        elif kind == "draft":
-            spec_runner.warm_draft(engine, size)
-        elif kind == "copy_pages":  # one pair to a dropped destination, padded to `size`
-            engine.state = copy_pages_padded(engine.state, [(0, engine.num_pages)], (size,))
-        elif kind == "fill_pages":
-            engine.state = fill_pages_padded(engine.state, [engine.num_pages], float("nan"),
-                                             size)
-        elif kind in ("host_save", "host_load"):  # a padding page: reads zeros, writes nothing
-            pool = engine.host_pool
-            engine.state = pool.run(engine.state, [(kind[5:], [engine.num_pages] * size,
-                                                    [0] * size)] if kind == "host_save" else
-                                    [("load", [0] * size, [engine.num_pages] * size)])
-            pool.discard()
-            pool.saved_pages = pool.loaded_pages = 0
+        _BY_KIND[kind].warm(runner, size, ctx)
     sample_keys(0, SamplingParams(n=2), 0)  # the per-request key derivation
-    jax.block_until_ready(engine.state)
+    jax.block_until_ready(runner.state)

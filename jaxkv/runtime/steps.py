@@ -15,7 +15,7 @@ were reserved for. The host reads the N x R tokens once (-1 where a row had reti
 is ``loop`` with each row's pending token, position, liveness and count after the last step:
 the inputs of a next loop, which the host can dispatch before reading these tokens.
 
-Speculative decoding (`jaxkv.engine.speculation`): ``spec_step(params, state, batch, idx, draft,
+Speculative decoding (`jaxkv.spec`): ``spec_step(params, state, batch, idx, draft,
 num_draft, keys, sampling, banned[, mask]) -> (tokens i32[R, K + 1], logits, state)`` runs a
 ragged batch of R decode rows, each its pending token and up to K drafts, takes the logits at
 those positions only and verifies them (`jaxkv.runtime.spec_verify`), masked per position for

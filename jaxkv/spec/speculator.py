@@ -1,73 +1,25 @@
-"""Speculative decoding's host side (plain Python, no jax): which sequences speculate in a
-step, their n-gram drafts, and the books of what was accepted.
-
-A speculating sequence runs as one row of ``1 + d`` tokens: its pending token and d draft
-tokens (`ScheduledRow.num_draft`). The target step scores every position and
-`jaxkv.runtime.spec_verify` keeps the longest accepted prefix of the drafts plus one token the
-target draws, so the row emits between 1 and d + 1 tokens. The scheduler then rolls the
-sequence back to what was accepted: its computed length, and the pages past its last token
-(`Scheduler.update`). The prefix cache only ever sees accepted tokens.
-
-Proposers:
-
-- ``ngram`` (prompt lookup): the tokens that followed the latest earlier occurrence of the
-  sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in
-  its prompt and output. Drafted here, on the host; a sequence with no match runs as a plain
-  decode (and a step where none matches may run as a decode loop).
-- ``self``: the model's first ``num_draft_layers`` layers and its LM head draft greedily on
-  device (`jaxkv.runtime.steps`); the row's draft tokens are filled in there.
-- ``draft_model``: a second model drafts greedily on device, the same way, over its own KV
-  pool under the same page ids (`jaxkv.engine.draft_model`).
-
-Who speculates: a decoding sequence (its prompt computed: the pending token is an output
-token) with one sample stream, no logits processor, no prompt logprobs and
-``SamplingParams.speculate``; in a step with at most ``disable_by_batch_size`` running
-sequences; and until its acceptance rate is judged too low
-(`SpeculativeConfig.min_acceptance_rate` after ``JUDGE_AFTER`` x k drafted tokens).
-
-Structured outputs speculate too: the drafts are cut before the first token the grammar would
-not take, and the verification masks each position with the grammar's state after the drafts
-before it (`jaxkv.engine.spec_runner`), so every emitted token is one the grammar allows and
-the target samples from the masked distribution. n-gram drafts are cut here; the device's
-(``self``, ``draft_model``) are read back before the verification is dispatched, which then
-waits for the draft program (only in steps with such a sequence), and the drafts cut there
-count as drafted and not accepted.
-"""
+"""Speculative decoding's host policy (plain Python, no jax): which sequences speculate in a
+step, with how many drafts (what they are is the `Proposer`'s), and the books of what was
+accepted (`jaxkv.spec` explains the whole)."""
 
 from __future__ import annotations
 
-from jaxkv.config import SpeculativeConfig, cdiv
+from jaxkv.config import cdiv
 from jaxkv.engine.request import RequestStatus
+from jaxkv.spec.proposer import Proposer
 
 JUDGE_AFTER = 4  # rounds of k drafted tokens before a sequence's acceptance is judged
 IDLE_LOOKS = 4  # looks without drafts after which a sequence decodes in full loops again
 
 
-def ngram_drafts(token_ids, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens of
-    ``token_ids``, for the largest n in [n_min, n_max] that occurs; [] when none does."""
-    ids, size = token_ids, len(token_ids)
-    best, best_at = n_min - 1, -1
-    for j in range(size - 2, -1, -1):  # candidate ends of an earlier occurrence, latest first
-        if ids[j] != ids[-1]:
-            continue
-        n = 1
-        while n < n_max and n <= j and ids[j - n] == ids[size - 1 - n]:
-            n += 1
-        if n > best:
-            best, best_at = n, j + 1
-            if n == n_max:
-                break
-    return list(ids[best_at:best_at + k]) if best_at >= 0 else []
-
-
 class Speculator:
-    """Proposes each step's drafts; a disabled one (no config) proposes none."""
+    """Plans each step's drafts with a `Proposer`; a disabled one (None) plans none."""
 
-    def __init__(self, config: SpeculativeConfig | None):
-        self.config = config
-        self.k = 0 if config is None else config.k
-        self.on_device = config is not None and config.method in ("self", "draft_model")
+    def __init__(self, proposer: Proposer | None):
+        self.proposer = proposer
+        self.config = None if proposer is None else proposer.config
+        self.k = 0 if proposer is None else proposer.k
+        self.on_device = proposer is not None and proposer.on_device
 
     @property
     def enabled(self) -> bool:
@@ -88,17 +40,15 @@ class Speculator:
 
     def propose(self, req, room: int) -> tuple[int, ...]:
         """Draft tokens for ``req`` (an `eligible` one)'s next step, at most ``room`` (its
-        share of the budget) and fewer than its output tokens left, and only those its grammar
-        takes; for ``self`` and ``draft_model``, placeholders the device fills."""
+        share of the budget) and fewer than its output tokens left, and of host drafts only
+        those its grammar takes; from a device proposer, placeholders the device fills."""
         left = req.sampling_params.max_tokens - req.num_output_tokens - 1
         most = min(self.k, room, left)
         if most <= 0:
             return ()
-        if self.on_device:
-            return (0,) * most
-        c = self.config
-        drafts = ngram_drafts(req.token_ids, most, c.prompt_lookup_min, c.prompt_lookup_max)
-        if req.grammar is not None and drafts:  # up to the first token it would not take
+        drafts = self.proposer.propose(req, most)
+        if not self.on_device and req.grammar is not None and drafts:  # up to the first token
+            # it would not take (the device's drafts are cut when the verification reads them)
             drafts = drafts[:req.grammar.valid_prefix(drafts)]
         return tuple(drafts)
 

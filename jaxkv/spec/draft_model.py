@@ -32,6 +32,7 @@ from jaxkv.runtime.batch import build_batch, fit, padding_batch, pow2
 from jaxkv.runtime.draft_steps import draft_loop_inputs, make_draft_steps
 from jaxkv.runtime.steps import DecodeLoopBatch
 from jaxkv.sharding import commit, shard, shard_state
+from jaxkv.spec.proposer import DeviceProposer
 
 
 @dataclasses.dataclass
@@ -40,13 +41,25 @@ class TargetCopy(Model):
     `Engine.update_params` quantizes the new weights for it too."""
 
 
+class DraftModelProposer(DeviceProposer):
+    reads_every_position = True  # the draft keeps every position's K/V in its own pool
+
+    def load(self, target: Model, *, on_host: bool = False):
+        return load_draft(self.config, target, on_host=on_host)
+
+    def drafter(self, runner, max_model_len: int) -> DraftModel:
+        if runner.window is not None:
+            raise ValueError("Engine: speculative_config method 'draft_model' needs "
+                             "window_kv=False (the draft keeps every position's K/V)")
+        draft = load_draft(self.config, runner.model, on_host=runner.mesh is not None).model
+        return DraftModel(draft, runner, self.k, max_model_len)
+
+
 def load_draft(spec, target: Model, *, on_host: bool = False):
-    """``spec`` (a SpeculativeConfig or None) with a ``draft_model`` method's model loaded as
-    a `Model`: from its path, or the target quantized (``model`` None: a `TargetCopy`).
-    ValueError naming ``speculative_config.model`` or ``.quantization`` for a draft that
-    cannot serve."""
-    if spec is None or spec.method != "draft_model":
-        return spec
+    """``spec`` (a SpeculativeConfig of method ``draft_model``) with its model loaded as a
+    `Model`: from its path, or the target quantized (``model`` None: a `TargetCopy`); as is
+    if loaded already. ValueError naming ``speculative_config.model`` or ``.quantization``
+    for a draft that cannot serve."""
     draft, quant = spec.model, spec.quantization
     if draft is None:
         if target.quantization is not None:
@@ -116,6 +129,10 @@ class DraftModel:
         state = init_state(self.model.config, runner.num_pages, runner.page_size,
                            self.model.dtype, runner.kv_cache_dtype)
         return commit(state) if self.mesh is None else shard_state(state, self.mesh)
+
+    def reset(self, runner) -> None:
+        """A zeroed pool (after a failure lost the old one, with the target's)."""
+        self.state = self.new_state(runner)
 
     def held(self, seq) -> int:
         """Positions of ``seq`` whose K/V the draft's pool holds (0 once it was preempted: its
