@@ -27,10 +27,12 @@ class SamplingParams:
     """Per-request sampling options; invalid values raise ValueError naming the field.
 
     ``temperature=0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p=1`` disables
-    nucleus sampling. ``seed=None`` lets the caller derive a reproducible seed from the
-    request's index. Stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) end a
-    sequence and are included in its token ids. As in vLLM, they cannot be sampled (their
-    logits are masked) until ``min_tokens`` other tokens have been generated.
+    nucleus sampling; ``min_p`` drops the tokens less likely than ``min_p`` times the most
+    likely one (after the temperature, before top-k and top-p; 0 disables it). ``seed=None``
+    lets the caller derive a reproducible seed from the request's index. Stop tokens (EOS unless
+    ``ignore_eos``, and ``stop_token_ids``) end a sequence and are included in its token ids. As
+    in vLLM, they cannot be sampled (their logits are masked) until ``min_tokens`` other tokens
+    have been generated.
 
     ``logprobs=k`` returns, for every generated token, its log-probability and rank under the
     model's distribution (fp32 log-softmax of the raw logits, before temperature and top-k/p,
@@ -74,6 +76,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
     seed: int | None = None
@@ -122,6 +125,9 @@ class SamplingParams:
         p = self.top_p
         if not is_real(p) or not 0 < p <= 1:
             fail("top_p", p, "must be in (0, 1]")
+        m = self.min_p
+        if not is_real(m) or not 0 <= m <= 1:
+            fail("min_p", m, "must be in [0, 1] (0 disables it)")
         if not is_int(self.top_k) or self.top_k < -1:
             fail("top_k", self.top_k, "must be an int >= -1 (0 or -1 disables top-k)")
         if not is_int(self.max_tokens) or self.max_tokens < 1:

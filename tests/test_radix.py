@@ -240,7 +240,8 @@ def test_host_bookkeeping_runs_without_jax():
         "ours = sorted(m for m in sys.modules if m.startswith('jaxkv.'))\n"
         "assert ours == ['jaxkv.cache', 'jaxkv.cache.allocator', 'jaxkv.cache.host_radix',\n"
         "    'jaxkv.cache.prefix', 'jaxkv.cache.radix', 'jaxkv.cache.radix_node',\n"
-        "    'jaxkv.config', 'jaxkv.config_checks', 'jaxkv.config_speculative'], ours\n")
+        "    'jaxkv.config', 'jaxkv.config_checks', 'jaxkv.config_speculative', 'jaxkv.spec',\n"
+        "    'jaxkv.spec.methods'], ours\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

@@ -1,4 +1,5 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-row keys; SamplingParams validation."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-row keys; SamplingParams
+validation; min-p through an engine's step and decode loop."""
 
 import math
 
@@ -19,7 +20,8 @@ def _keys(n, seed=0):
 def _draw(logits, n, **row):
     """n samples of one row of logits, each with its own key."""
     arrays = SamplingArrays.build([row.get("temperature", 1.0)] * n, [row.get("top_k", 0)] * n,
-                                  [row.get("top_p", 1.0)] * n, [0] * n, n)
+                                  [row.get("top_p", 1.0)] * n, [0] * n, n,
+                                  min_p=[row.get("min_p", 0.0)] * n)
     return np.asarray(sample(np.tile(logits, (n, 1)), _keys(n), arrays))
 
 
@@ -73,6 +75,9 @@ def test_top_p_keeps_the_smallest_covering_set():
     # Past the candidate cap: top-k and the nucleus are found by bisection instead.
     (2000, dict(temperature=1.0, top_k=300)),
     (2000, dict(temperature=5.0, top_p=0.5)),
+    (40, dict(temperature=1.0, min_p=0.1)),
+    (40, dict(temperature=2.0, min_p=0.3)),
+    (40, dict(temperature=1.0, min_p=0.05, top_k=12, top_p=0.8)),
 ])
 def test_filtered_sampling_matches_the_exact_distribution(vocab, row):
     from jaxkv.runtime.sampling import TOP_K_CAP
@@ -114,7 +119,8 @@ def test_rows_use_their_own_keys_and_steps():
     (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"), (dict(stop=5), "stop"),
     (dict(stop=[b"x"]), "stop"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
-    (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=math.nan), "min_p"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -137,3 +143,49 @@ def test_every_bit_of_a_64_bit_seed_counts():
     np.testing.assert_array_equal(request_key(5), np.asarray(want, np.uint32))
     with pytest.raises(ValueError, match="seed=18446744073709551616"):
         request_key(2**64)
+
+
+def test_min_p_drops_rows_tokens_independently():
+    """Two rows of one batch with different min_p: each keeps its own set (a row with min_p 0
+    still draws the unlikely tokens), and a greedy row is unaffected."""
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 3, np.float32))
+    n = 3000
+    arrays = SamplingArrays.build([1.0, 1.0, 0.0] * n, [0] * (3 * n), [1.0] * (3 * n),
+                                  [0] * (3 * n), 3 * n, min_p=[0.5, 0.0, 0.9] * n)
+    draws = np.asarray(sample(np.tile(logits, (n, 1)), _keys(3 * n), arrays)).reshape(n, 3)
+    assert set(draws[:, 0].tolist()) == {0, 1}  # 0.3 >= 0.5 x 0.5; 0.15 < 0.25
+    assert set(draws[:, 1].tolist()) == {0, 1, 2, 3}
+    assert set(draws[:, 2].tolist()) == {0}  # greedy
+
+
+def test_min_p_in_an_engine_step_and_decode_loop(plain_model):
+    """Through an Engine: every token sampled with min_p has probability >= min_p times the
+    most likely one's (read from its logprobs, which run one step per token), and the same
+    seeded request without logprobs (decode loops on device) draws the same tokens."""
+    from jaxkv import Engine
+
+    MIN_P = 0.8  # the random model's distributions are flat: a higher floor bites
+    engine = Engine(plain_model, num_pages=64, max_num_seqs=4, max_model_len=96)
+    prompt = list(range(5, 25))
+
+    def run(**kw):
+        sp = SamplingParams(temperature=1.0, min_p=MIN_P, seed=11, max_tokens=24, ignore_eos=True,
+                            **kw)
+        engine.add_request("r", prompt_token_ids=prompt, sampling_params=sp)
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        return outs[0].outputs[0]
+
+    with_lps, looped = run(logprobs=1), run()
+    assert looped.token_ids == with_lps.token_ids
+    for token, entry in zip(with_lps.token_ids, with_lps.logprobs, strict=True):
+        best = max(lp.logprob for lp in entry.values())
+        assert entry[token].logprob >= best + math.log(MIN_P) - 1e-5
+    # min_p does something here: without it the same seed draws less likely tokens
+    plain = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, logprobs=1)
+    engine.add_request("p", prompt_token_ids=prompt, sampling_params=plain)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    free = outs[0].outputs[0]
+    assert any(e[t].logprob < max(lp.logprob for lp in e.values()) + math.log(MIN_P)
+               for t, e in zip(free.token_ids, free.logprobs, strict=True))

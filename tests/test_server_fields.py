@@ -131,6 +131,7 @@ FIELDS: dict[str, Row] = {
     "service_tier": Row(REFUSED, chat="flex"),  # "auto" and "default" are ignored: NOTHING
     # vLLM's extras
     "top_k": both(MAPPED, 5, sp_has(top_k=5)),
+    "min_p": both(MAPPED, 0.05, sp_has(min_p=0.05)),
     "min_tokens": both(MAPPED, 2, sp_has(min_tokens=2)),
     "repetition_penalty": both(MAPPED, 1.3, sp_has(repetition_penalty=1.3)),
     "stop_token_ids": both(MAPPED, [50], sp_has(stop_token_ids=(50,))),
@@ -152,7 +153,6 @@ FIELDS: dict[str, Row] = {
                                 check=template(USER, add_generation_prompt=True)),
     "echo": Row(MAPPED, completions=True,
                 check=lambda s: s.json["choices"][0]["text"].startswith(PROMPT)),
-    "min_p": both(REFUSED, 0.05),
     "spaces_between_special_tokens": both(REFUSED, False),
     "response_format": both(MAPPED, {"type": "json_object"},
                             sp_has(structured_outputs=StructuredOutputsParams(json_object=True))),
@@ -178,7 +178,7 @@ NOTHING = [
     ("chat", "tool_choice", "none"), ("chat", "functions", []),
     ("chat", "function_call", "none"), ("chat", "modalities", ["text"]),
     ("chat", "service_tier", "auto"), ("chat", "service_tier", "default"),
-    ("completions", "min_p", 0.0), ("chat", "spaces_between_special_tokens", True),
+    ("chat", "spaces_between_special_tokens", True),
     ("completions", "use_beam_search", False), ("chat", "priority", 0),
 ]
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

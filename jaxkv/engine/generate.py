@@ -3,6 +3,12 @@
 Every sequence reserves the pages for prompt + max_tokens up front (a small host allocator);
 the serving engine instead allocates as it goes and shares prefixes. ``generate_no_cache``
 recomputes the whole sequence at every step, the O(N^2) baseline the KV cache removes.
+
+This is the minimal path (one function, no engine): it has no stop strings, no logprobs, no
+logits processors or structured outputs (each refused with an error naming the field), no
+speculative decoding, no prefix cache across calls, no preemption (every sequence reserves
+its pages up front), no tensor parallelism and no streaming. `jaxkv.LLM` and `jaxkv.Engine`
+have all of those, on the same step programs.
 """
 
 from __future__ import annotations
@@ -19,7 +25,13 @@ from jaxkv.kv import init_state, kv_bytes_per_token
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
 from jaxkv.runtime.processors import has_processors
-from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, check_bannable, request_key
+from jaxkv.runtime.sampling import (
+    MAX_BANNED,
+    RowSettings,
+    SamplingArrays,
+    check_bannable,
+    request_key,
+)
 from jaxkv.runtime.steps import (
     MAX_STOP_IDS,
     DecodeLoopBatch,
@@ -208,18 +220,15 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
                                                                            for r in rows_)),
                             vocab_size=cfg.vocab_size)
         # Sample every row (rows that are not finishing a prompt are greedy and ignored).
-        keys = np.zeros((rows, 2), np.uint32)
-        temperature, top_k = np.zeros(rows, np.float32), np.zeros(rows, np.int32)
-        top_p, step = np.ones(rows, np.float32), np.zeros(rows, np.int32)
+        keys, step = np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32)
         banned = np.full((rows, MAX_BANNED), -1, np.int32)
         for i, s in finishing.items():
-            sp = s.params
             keys[i], step[i] = s.key, len(s.out)
-            temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-            ids = sp.banned_ids(len(s.out), eos)
+            ids = s.params.banned_ids(len(s.out), eos)
             banned[i, :len(ids)] = ids
+        settings = RowSettings.of(rows, [(i, s.params) for i, s in finishing.items()])
         tokens, _, _, state = steps.step(model.params, state, batch, keys,
-                                         SamplingArrays(temperature, top_k, top_p, step, banned))
+                                         SamplingArrays(settings, step, banned))
         stats.steps += 1
         if not finishing:
             return

@@ -38,7 +38,13 @@ from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, WindowTable, build_batch, fit, ladder, pow2
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import build_processors, has_processors, sample_processed
-from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample, token_logprobs
+from jaxkv.runtime.sampling import (
+    MAX_BANNED,
+    RowSettings,
+    SamplingArrays,
+    sample,
+    token_logprobs,
+)
 from jaxkv.runtime.steps import (
     DecodeLoopBatch,
     LoopRow,
@@ -209,18 +215,15 @@ class ModelRunner:
     def sampling(self, seqs, rows: int | None = None) -> tuple[np.ndarray, SamplingArrays]:
         """Keys and SamplingArrays for (row, sequence) pairs; other rows are greedy."""
         b = self.max_num_seqs if rows is None else rows
-        keys = np.zeros((b, 2), np.uint32)
-        temperature, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
-        top_p, step = np.ones(b, np.float32), np.zeros(b, np.int32)
+        keys, step = np.zeros((b, 2), np.uint32), np.zeros(b, np.int32)
         banned = np.full((b, MAX_BANNED), -1, np.int32)
         eos = self.model.config.eos_token_ids
         for i, seq in seqs:
-            sp = seq.sampling_params
             keys[i], step[i] = seq.key, seq.num_output_tokens
-            temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-            ids = sp.banned_ids(seq.num_output_tokens, eos)
+            ids = seq.sampling_params.banned_ids(seq.num_output_tokens, eos)
             banned[i, :len(ids)] = ids
-        return keys, SamplingArrays(temperature, top_k, top_p, step, banned)
+        settings = RowSettings.of(b, [(i, seq.sampling_params) for i, seq in seqs])
+        return keys, SamplingArrays(settings, step, banned)
 
     def launch_step(self, rows: list[ScheduledRow], version) -> TokenRead:
         """Dispatches one ragged step over ``rows``; the read gives, for each row, a list of

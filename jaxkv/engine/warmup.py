@@ -29,7 +29,7 @@ from jaxkv.runtime.batch import padding_batch
 from jaxkv.runtime.compiles import count_compiles
 from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import idle_masks, sample_processed
-from jaxkv.runtime.sampling import sample, sample_keys, token_logprobs
+from jaxkv.runtime.sampling import RowSettings, sample, sample_keys, token_logprobs
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
 from jaxkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -159,8 +159,7 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
         limit=z(np.int32), generated=z(np.int32), min_tokens=z(np.int32),
         max_tokens=np.ones(rows, np.int32),
         stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32), keys=z(np.uint32, rows, 2),
-        temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(rows, np.float32),
-        num_steps=np.int32(1),
+        settings=RowSettings.of(rows), num_steps=np.int32(1),
         window_page_table=getattr(engine, "runner", engine).window_rows(rows))
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxkv.kv import PagedKVState
 from jaxkv.runtime.batch import StepBatch
-from jaxkv.runtime.sampling import argmax
+from jaxkv.runtime.sampling import RowSettings, argmax
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, _decode_loop, _ragged
 
 
@@ -35,8 +35,7 @@ def draft_loop_inputs(r: int, width: int, num_steps: int, window_table=None) -> 
         live=np.zeros(r, bool), limit=z.copy(), generated=z, min_tokens=z,
         max_tokens=np.full(r, 2**30, np.int32),
         stop_ids=np.full((r, MAX_STOP_IDS), -1, np.int32), keys=np.zeros((r, 2), np.uint32),
-        temperature=np.zeros(r, np.float32), top_k=z, top_p=np.ones(r, np.float32),
-        num_steps=np.int32(num_steps), window_page_table=window_table)
+        settings=RowSettings.of(r), num_steps=np.int32(num_steps), window_page_table=window_table)
 
 
 def _fill(graphdef, impl: str, mesh, params, state: PagedKVState, batch: StepBatch):

@@ -3,6 +3,8 @@
 - greedy rows (temperature 0): argmax;
 - other rows: inverse-CDF sampling from softmax(logits / temperature), one uniform number per
   row, in two passes (block sums, then one block) instead of a sort or V random numbers;
+- min-p: tokens less likely than ``min_p`` times the most likely one are dropped (after the
+  temperature, before top-k / top-p, as vLLM applies it);
 - top-k / top-p: a threshold on the scaled logits, taken from a `lax.top_k` candidate set of
   TOP_K_CAP entries. A top-k within the cap, and a nucleus that the candidates' mass reaches,
   are exact; a larger top-k or a nucleus wider than the cap falls back to a bisection over the
@@ -32,28 +34,63 @@ CDF_BLOCK = 512  # vocabulary entries per block of the two-pass inverse CDF
 _BISECT_STEPS = 40
 
 
+# RowSettings' fields: (dtype, the value of a row without a request: greedy, nothing filtered)
+IDLE = {"temperature": (np.float32, 0.0), "top_k": (np.int32, 0), "top_p": (np.float32, 1.0),
+        "min_p": (np.float32, 0.0)}
+
+
 @struct.dataclass
-class SamplingArrays:
+class RowSettings:
+    """What a request fixes about how its rows sample (the same at every step), one entry per
+    row; each field is the `SamplingParams` attribute of its name. These are the input batch's
+    columns that every program's sampler reads (the ragged step, the decode loop, the spec
+    step and its verification): a new setting is a field here with its `IDLE` value, its use
+    in `sample_tokens`, and its field in `SamplingParams`."""
+
     temperature: jax.Array  # f32[B]  0 means greedy
     top_k: jax.Array  # i32[B]  <= 0 means disabled
     top_p: jax.Array  # f32[B]  1 means disabled
+    min_p: jax.Array  # f32[B]  0 means disabled
+
+    @classmethod
+    def of(cls, rows: int, params=()) -> RowSettings:
+        """Host columns of ``rows`` rows: row i takes the settings of the SamplingParams of
+        each (i, params) pair; the others are idle."""
+        cols = {name: np.full(rows, idle, dtype) for name, (dtype, idle) in IDLE.items()}
+        for i, sp in params:
+            for name, col in cols.items():
+                col[i] = getattr(sp, name)
+        return cls(**cols)
+
+
+@struct.dataclass
+class SamplingArrays:
+    settings: RowSettings  # what each row's request fixes
     step: jax.Array  # i32[B]  tokens generated so far by the row's request
     banned: jax.Array  # i32[B, MAX_BANNED]  ids that may not be sampled now (-1: none)
 
+    temperature = property(lambda self: self.settings.temperature)
+    top_k = property(lambda self: self.settings.top_k)
+    top_p = property(lambda self: self.settings.top_p)
+    min_p = property(lambda self: self.settings.min_p)
+
     @classmethod
-    def build(cls, temperature, top_k, top_p, step, rows: int, banned=()) -> SamplingArrays:
+    def build(cls, temperature, top_k, top_p, step, rows: int, banned=(),
+              min_p=()) -> SamplingArrays:
         """Host builder: pads lists to `rows` entries (padding rows are greedy); ``banned[i]``
         lists row i's banned ids."""
-        def pad(values, dtype, fill):
-            out = np.full(rows, fill, dtype)
+        def pad(values, name):
+            dtype, idle = IDLE.get(name, (np.int32, 0))
+            out = np.full(rows, idle, dtype)
             out[:len(values)] = values
             return out
 
         ban = np.full((rows, MAX_BANNED), -1, np.int32)
         for i, ids in enumerate(banned):
             ban[i, :len(ids)] = ids
-        return cls(pad(temperature, np.float32, 0.0), pad(top_k, np.int32, 0),
-                   pad(top_p, np.float32, 1.0), pad(step, np.int32, 0), ban)
+        settings = RowSettings(pad(temperature, "temperature"), pad(top_k, "top_k"),
+                               pad(top_p, "top_p"), pad(min_p, "min_p"))
+        return cls(settings, pad(step, "step"), ban)
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingArrays:
@@ -183,6 +220,13 @@ def keep_threshold(x, top_k, top_p):
     return jnp.where(top_p >= 1, thr_k, jnp.maximum(thr_k, thr_p))
 
 
+def drop_below_min_p(x, min_p):
+    """Scaled logits x f32[B, V] with the tokens less likely than ``min_p`` (f32[B]) times the
+    row's most likely one at -inf: p >= min_p * p_max is x >= max(x) + log(min_p)."""
+    floor = jnp.max(x, axis=-1) + jnp.log(min_p)  # (min_p 0: -inf, nothing dropped)
+    return jnp.where(x >= floor[:, None], x, -jnp.inf)
+
+
 def sample_tokens(logits, keys, sampling: SamplingArrays):
     """i32[B] next tokens from f32[B, V] logits; ``keys`` are raw u32[B, 2] PRNG keys.
 
@@ -201,6 +245,8 @@ def sample_tokens(logits, keys, sampling: SamplingArrays):
         step_keys = jax.vmap(jax.random.fold_in)(keys, sampling.step)
         u = jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(step_keys)
         x = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
+        x = jax.lax.cond(jnp.any(hot & (sampling.min_p > 0)),
+                         lambda: drop_below_min_p(x, sampling.min_p), lambda: x)
         filtered = (sampling.top_k > 0) | (sampling.top_p < 1)
         thr = jax.lax.cond(jnp.any(filtered & hot),
                            lambda: keep_threshold(x, sampling.top_k, sampling.top_p),

@@ -32,13 +32,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.runtime.sampling import argmax, inverse_cdf, keep_threshold
+from jaxkv.runtime.sampling import argmax, drop_below_min_p, inverse_cdf, keep_threshold
 
 
-def target_probs(logits, temperature, top_k, top_p, banned=None):
+def target_probs(logits, temperature, top_k, top_p, banned=None, min_p=None):
     """f32[N, V] probabilities the sampler draws from for f32[N, V] logits: one-hot argmax
-    where ``temperature`` is 0, else softmax(logits / temperature) over the top-k / top-p
-    set; ``banned`` (i32[N, M], -1 = none) ids get probability 0."""
+    where ``temperature`` is 0, else softmax(logits / temperature) over the min-p, top-k and
+    top-p set; ``banned`` (i32[N, M], -1 = none) ids get probability 0."""
     n, v = logits.shape
     if banned is not None:
         logits = logits.at[jnp.arange(n)[:, None], jnp.where(banned >= 0, banned, v)].set(
@@ -48,6 +48,8 @@ def target_probs(logits, temperature, top_k, top_p, banned=None):
 
     def sampled():
         x = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        if min_p is not None:
+            x = drop_below_min_p(x, min_p)
         filtered = jnp.any(hot & ((top_k > 0) | (top_p < 1)))
         thr = jax.lax.cond(filtered, lambda: keep_threshold(x, top_k, top_p),
                            lambda: jnp.full(x.shape[:1], -jnp.inf))

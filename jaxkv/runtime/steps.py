@@ -48,7 +48,13 @@ from jaxkv.errors import KVStateError
 from jaxkv.kv import PagedKVState, pool_layers, rotate_queries, write_kv
 from jaxkv.runtime.batch import StepBatch
 from jaxkv.runtime.processors import apply_token_bitmask
-from jaxkv.runtime.sampling import MAX_BANNED, SamplingArrays, sample_tokens, token_logprobs
+from jaxkv.runtime.sampling import (
+    MAX_BANNED,
+    RowSettings,
+    SamplingArrays,
+    sample_tokens,
+    token_logprobs,
+)
 from jaxkv.runtime.spec_verify import accept_drawn
 from jaxkv.sharding import kv_sharding, sharded_attention
 
@@ -69,9 +75,7 @@ class DecodeLoopBatch:
     max_tokens: jax.Array  # i32[R]
     stop_ids: jax.Array  # i32[R, MAX_STOP_IDS]  -1 = none
     keys: jax.Array  # u32[R, 2]
-    temperature: jax.Array  # f32[R]
-    top_k: jax.Array  # i32[R]
-    top_p: jax.Array  # f32[R]
+    settings: RowSettings  # each row's sampling settings
     num_steps: jax.Array  # i32[]  at most N (the tokens array's rows)
     window_page_table: jax.Array | None = None  # i32[R, W]  local layers' slots (window KV)
 
@@ -100,19 +104,17 @@ def decode_loop_batch(rows: Sequence[LoopRow], table: np.ndarray, eos_token_ids,
     min_tokens, max_tokens = np.zeros(r, np.int32), np.ones(r, np.int32)
     stop_ids = np.full((r, MAX_STOP_IDS), -1, np.int32)
     keys = np.zeros((r, 2), np.uint32)
-    temperature, top_k = np.zeros(r, np.float32), np.zeros(r, np.int32)
-    top_p = np.ones(r, np.float32)
     for row in rows:
         i, sp = row.index, row.params
         tokens[i], positions[i], live[i], limit[i] = row.token, row.position, True, row.limit
         generated[i], min_tokens[i], max_tokens[i] = row.generated, sp.min_tokens, sp.max_tokens
         ids = sp.stop_ids(eos_token_ids)
         stop_ids[i, :len(ids)] = ids
-        keys[i], temperature[i], top_k[i], top_p[i] = row.key, sp.temperature, sp.top_k, sp.top_p
+        keys[i] = row.key
     return DecodeLoopBatch(
         tokens=tokens, positions=positions, page_table=table, live=live, limit=limit,
         generated=generated, min_tokens=min_tokens, max_tokens=max_tokens, stop_ids=stop_ids,
-        keys=keys, temperature=temperature, top_k=top_k, top_p=top_p,
+        keys=keys, settings=RowSettings.of(r, [(row.index, row.params) for row in rows]),
         num_steps=np.int32(num_steps), window_page_table=window_table)
 
 
@@ -263,8 +265,7 @@ def _decode_loop(graphdef, impl: str, mesh, max_steps: int, params, state: Paged
 
     def sampling(generated):  # stop ids are banned until min_tokens are out (vLLM's rule)
         banned = jnp.where((generated < loop.min_tokens)[:, None], loop.stop_ids, -1)
-        return SamplingArrays(loop.temperature, loop.top_k, loop.top_p, generated,
-                              jnp.concatenate([banned, pad], axis=1))
+        return SamplingArrays(loop.settings, generated, jnp.concatenate([banned, pad], axis=1))
 
     def body(carry):
         i, tokens, positions, running, finished, generated, out, kv = carry

@@ -49,8 +49,6 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # Refused fields: name -> (accepts the values that mean "nothing", why others are refused).
     REFUSED: ClassVar[dict[str, tuple[Callable[[object], bool], str]]] = {
-        "min_p": (_is(0, 0.0), "min-p sampling is not implemented (SamplingParams has no "
-                  "min_p)"),
         "spaces_between_special_tokens": (
             _is(True), "only true (vLLM's default) is supported: the detokenizer has no other "
             "mode"),
@@ -73,6 +71,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     # mapped: vLLM's extras
     top_k: int | None = None
+    min_p: float | None = None
     min_tokens: int = 0
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
@@ -166,7 +165,8 @@ class _Request(BaseModel):
 
         return SamplingParams(
             n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
-            top_k=0 if self.top_k in (None, -1) else self.top_k, max_tokens=max_tokens,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            min_p=given(self.min_p, 0.0), max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed,
             presence_penalty=given(self.presence_penalty, 0.0),

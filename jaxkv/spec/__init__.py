@@ -36,9 +36,12 @@ count as drafted and not accepted.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from jaxkv.spec.methods import METHODS
-from jaxkv.spec.proposer import Proposer
+from jaxkv.spec.methods import METHODS  # (all the config imports: plain data)
+
+if TYPE_CHECKING:
+    from jaxkv.spec.proposer import Proposer
 
 
 def proposer_for(config) -> Proposer | None:
