@@ -76,7 +76,6 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
     seed: int | None = None
@@ -96,6 +95,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # a list or tuple of strings
     speculate: bool = True  # with the engine's speculative_config: False opts this one out
     structured_outputs: StructuredOutputsParams | None = None  # or a dict of its fields
+    min_p: float = 0.0  # (last: the fields before it keep their positions)
 
     def __post_init__(self):
         def fail(field, value, why):

@@ -10,10 +10,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAXKV_COMPILATION_CACHE_DIR", "none")
 # Most of the suite's time is XLA compiling small programs: LLVM's optimizations (level 0, not
 # 2) cut that by about a quarter, and a tiny model runs fast enough either way. Processes the
-# tests start inherit it. (JAXKV_TEST_XLA_OPT=2 runs the suite as users compile; the TPU and
-# GPU compile checks of `make test-aot` always do: they judge the code XLA generates.)
+# tests start inherit it. (JAXKV_TEST_XLA_OPT=2 runs the suite as users compile; so do runs on
+# a GPU or TPU and the compile checks of `make test-aot`: they judge the code XLA generates.)
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and \
-        not os.environ.get("JAXKV_AOT"):
+        os.environ["JAX_PLATFORMS"] == "cpu" and not os.environ.get("JAXKV_AOT"):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_"
                                f"level={os.environ.get('JAXKV_TEST_XLA_OPT', '0')}").strip()
 
@@ -97,7 +97,7 @@ def pytest_ignore_collect(collection_path, config):
     transformers and torch, which takes longer than the host tests run."""
     if config.getoption("markexpr").startswith("host") and collection_path.suffix == ".py" and \
             collection_path.name.startswith("test_"):
-        return HOST_MARK not in collection_path.read_text()
+        return None if HOST_MARK in collection_path.read_text() else True
     return None
 
 

@@ -190,8 +190,9 @@ def _bisect(x, lo, hi, keep_enough):
     return lo
 
 
-def keep_threshold(x, top_k, top_p):
-    """Per-row threshold on scaled logits x f32[B, V] that keeps top-k, then the nucleus."""
+def keep_threshold(x, top_k, top_p, floor=None):
+    """Per-row threshold on scaled logits x f32[B, V] that keeps the tokens at or above
+    ``floor`` (f32[B], min-p's; None: all), then top-k of those, then the nucleus of those."""
     b, v = x.shape
     cap = min(TOP_K_CAP, v)
     vals = jax.lax.top_k(x, cap)[0]  # [B, cap], descending
@@ -203,6 +204,8 @@ def keep_threshold(x, top_k, top_p):
     wide_k = k > cap
     thr_k = jax.lax.cond(jnp.any(wide_k & (k < v)), lambda: jnp.where(
         wide_k, _bisect(x, lo, hi, lambda keep: keep.sum(-1) >= k), thr_k), lambda: thr_k)
+    if floor is not None:  # min-p's survivors are the top-ranked tokens: top-k of them
+        thr_k = jnp.maximum(thr_k, floor)  # is the higher of the two thresholds
 
     # Nucleus over the top-k set: keep tokens whose preceding mass is below top_p.
     e = jnp.exp(x - hi[:, None])
@@ -220,11 +223,11 @@ def keep_threshold(x, top_k, top_p):
     return jnp.where(top_p >= 1, thr_k, jnp.maximum(thr_k, thr_p))
 
 
-def drop_below_min_p(x, min_p):
-    """Scaled logits x f32[B, V] with the tokens less likely than ``min_p`` (f32[B]) times the
-    row's most likely one at -inf: p >= min_p * p_max is x >= max(x) + log(min_p)."""
-    floor = jnp.max(x, axis=-1) + jnp.log(min_p)  # (min_p 0: -inf, nothing dropped)
-    return jnp.where(x >= floor[:, None], x, -jnp.inf)
+def min_p_floor(x, min_p):
+    """f32[B]: the scaled logit below which a token is less likely than ``min_p`` (f32[B])
+    times the row's most likely one (p >= min_p * p_max is x >= max(x) + log(min_p); min_p 0:
+    -inf, nothing dropped)."""
+    return jnp.max(x, axis=-1) + jnp.log(min_p)
 
 
 def sample_tokens(logits, keys, sampling: SamplingArrays):
@@ -245,11 +248,10 @@ def sample_tokens(logits, keys, sampling: SamplingArrays):
         step_keys = jax.vmap(jax.random.fold_in)(keys, sampling.step)
         u = jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(step_keys)
         x = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
-        x = jax.lax.cond(jnp.any(hot & (sampling.min_p > 0)),
-                         lambda: drop_below_min_p(x, sampling.min_p), lambda: x)
-        filtered = (sampling.top_k > 0) | (sampling.top_p < 1)
+        filtered = (sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0)
         thr = jax.lax.cond(jnp.any(filtered & hot),
-                           lambda: keep_threshold(x, sampling.top_k, sampling.top_p),
+                           lambda: keep_threshold(x, sampling.top_k, sampling.top_p,
+                                                  min_p_floor(x, sampling.min_p)),
                            lambda: jnp.full(x.shape[:1], -jnp.inf))
         x = jnp.where(x >= thr[:, None], x, -jnp.inf)
         drawn = inverse_cdf(x, u)

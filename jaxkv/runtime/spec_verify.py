@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.runtime.sampling import argmax, drop_below_min_p, inverse_cdf, keep_threshold
+from jaxkv.runtime.sampling import argmax, inverse_cdf, keep_threshold, min_p_floor
 
 
 def target_probs(logits, temperature, top_k, top_p, banned=None, min_p=None):
@@ -48,10 +48,10 @@ def target_probs(logits, temperature, top_k, top_p, banned=None, min_p=None):
 
     def sampled():
         x = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        if min_p is not None:
-            x = drop_below_min_p(x, min_p)
-        filtered = jnp.any(hot & ((top_k > 0) | (top_p < 1)))
-        thr = jax.lax.cond(filtered, lambda: keep_threshold(x, top_k, top_p),
+        floor = None if min_p is None else min_p_floor(x, min_p)
+        filtered = jnp.any(hot & ((top_k > 0) | (top_p < 1) |
+                                  (False if min_p is None else min_p > 0)))
+        thr = jax.lax.cond(filtered, lambda: keep_threshold(x, top_k, top_p, floor),
                            lambda: jnp.full(x.shape[:1], -jnp.inf))
         x = jnp.where(x >= thr[:, None], x, -jnp.inf)
         return jnp.where(hot[:, None], jax.nn.softmax(x, axis=-1), greedy)
