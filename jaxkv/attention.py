@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from jaxkv.config import ATTENTION_IMPLS
+from jaxkv.config_checks import power_of_two
 from pallas_kernels.api import paged_decode_attention, ragged_paged_attention
 from pallas_kernels.reference import dense_causal_attention
 from pallas_kernels.tpu_block_sizes import sublane_tile
@@ -47,8 +48,7 @@ def check_page_size(impl: str, page_size: int, dtype) -> None:
     """Raises ValueError if the kernel ``impl`` selects cannot take pages of ``page_size``
     tokens of ``dtype``: every kernel needs a power of two; the TPU kernel also needs a
     multiple of the sublane tile (8 rows of 32-bit data, 16 of 16-bit) for aligned page DMAs."""
-    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+    power_of_two("page_size", page_size)
     if kernel_for(impl) == "tpu" and page_size % sublane_tile(dtype):
         raise ValueError(f"page_size={page_size}: the TPU kernel (attention_impl={impl!r}) "
                          f"needs a multiple of {sublane_tile(dtype)} for {jax.numpy.dtype(dtype)} "

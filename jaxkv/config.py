@@ -23,6 +23,7 @@ from jaxkv.config_checks import (  # noqa: F401 - the constants are part of this
     MODEL_DTYPES,
     QUANTIZATIONS,
     nearest_name,
+    power_of_two,
 )
 from jaxkv.config_checks import one_of as _one_of
 from jaxkv.config_checks import positive as _positive
@@ -64,9 +65,8 @@ class CacheConfig:
     def __post_init__(self):
         name = type(self).__name__
         _positive(name, "page_size", self.page_size)
-        if self.page_size & (self.page_size - 1):
-            raise ValueError(f"{name}.page_size must be a power of two, got {self.page_size!r} "
-                             "(every attention kernel reads whole pages of 2^k tokens)")
+        power_of_two(f"{name}.page_size", self.page_size,
+                     " (every attention kernel reads whole pages of 2^k tokens)")
         _positive(name, "num_pages", self.num_pages, optional=True)
         _positive(name, "kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         f = self.kv_cache_memory_fraction

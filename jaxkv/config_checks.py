@@ -21,6 +21,14 @@ def positive(owner: str, name: str, value, *, optional: bool = False) -> None:
         raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
 
 
+def power_of_two(label: str, value, why: str = "") -> None:
+    """ValueError unless ``value`` is an int power of two (the page-size rule of every
+    attention kernel); the message names ``label`` and ends with ``why``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1 \
+            or value & (value - 1):
+        raise ValueError(f"{label} must be a power of two, got {value!r}{why}")
+
+
 def one_of(owner: str, name: str, value, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}, got "

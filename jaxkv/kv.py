@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.config import KVSpec
+from jaxkv.config_checks import power_of_two
 from jaxkv.errors import KVStateError
 from jaxkv.model.config import ModelConfig
 from pallas_kernels.quant import (
@@ -173,8 +174,7 @@ def init_state(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
     for name, value in checks:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"init_state: {name} must be a positive int, got {value!r}")
-    if page_size & (page_size - 1):
-        raise ValueError(f"init_state: page_size must be a power of two, got {page_size}")
+    power_of_two("init_state: page_size", page_size)
     stored = storage_dtype(kv_cache_dtype, dtype)
     full, local = pool_sizes(config, window_slots is not None)
 

@@ -2,6 +2,7 @@
 --json, its reproduce line parses back to the same arguments, engine settings map onto
 keyword arguments, and no benchmark code edits sys.path or imports the tests."""
 
+import ast
 import re
 import shlex
 from pathlib import Path
@@ -78,7 +79,7 @@ def test_the_command_imports_only_the_benchmark_it_runs():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    before, loaded = (eval(line) for line in run.stdout.splitlines()[-2:])
+    before, loaded = (ast.literal_eval(line) for line in run.stdout.splitlines()[-2:])
     assert before == ["jaxkv.bench.cli", "jaxkv.bench.common"]
     assert "jaxkv.bench.kv_capacity" in loaded
     others = {f"jaxkv.bench.{m}" for m, _ in cli.COMMANDS.values()} - {"jaxkv.bench.kv_capacity"}

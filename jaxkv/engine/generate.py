@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.config import cdiv
+from jaxkv.config_checks import power_of_two
 from jaxkv.kv import init_state, kv_bytes_per_token
 from jaxkv.model.pretrained import Model
 from jaxkv.runtime.batch import PageTable, Row, build_batch, pow2
@@ -160,8 +161,7 @@ def generate_with_stats(model: Model, prompts, sampling=None, *, page_size: int 
     one step per host round trip, so that timing a baseline measures its work rather than
     bucket padding.
     """
-    if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+    power_of_two("page_size", page_size)
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
     cfg = model.config
