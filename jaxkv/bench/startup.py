@@ -1,5 +1,6 @@
 """Start-up time: `jaxkv serve` until /health answers, and `LLM(model)` until it returns, on a
-cold and then a warm persistent compilation cache (`jaxkv.runtime.compile_cache`).
+cold and then a warm persistent compilation cache (`jaxkv.runtime.compile_cache`) and program
+store (`jaxkv.runtime.stored_jit`).
 
 Each start is a new process (imports, model load, pool sizing, warmup of every program, as a
 user who tunes nothing gets them), timed from its launch. The first start of each kind uses
@@ -18,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-_WARMUP = re.compile(r"warmup: (\d+) programs ready in ([\d.]+) s \((\d+) compiled, (\d+) loaded")
+_WARMUP = re.compile(r"warmup: (\d+) programs ready in ([\d.]+) s \((\d+) compiled, (\d+) loaded "
+                     r"from the compilation cache, (\d+) from the program store")
 _LLM = ("import logging, sys, time; t = time.perf_counter(); import jaxkv; "
         "logging.basicConfig(); logging.getLogger('jaxkv').setLevel(logging.INFO); "
         "jaxkv.LLM(None if sys.argv[1] == 'tiny' else sys.argv[1], "
@@ -80,8 +82,8 @@ def _llm_once(model: str, cache: str, timeout: float) -> tuple[float, str]:
 
 def run(args) -> dict:
     print("| kind | start | compilation cache | seconds to ready | programs | compiled | "
-          "loaded from the cache | warmup s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "loaded from jax's cache | loaded whole (program store) | warmup s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for kind in args.kinds:
         with tempfile.TemporaryDirectory(prefix="jaxkv-xla-") as cache:
@@ -89,11 +91,12 @@ def run(args) -> dict:
                 once = _serve_once if kind == "serve" else _llm_once
                 seconds, log = once(args.model, str(Path(cache)), args.timeout)
                 m = _WARMUP.search(log)
-                programs, warm_s, compiled, loaded = (m.groups() if m else ("?",) * 4)
+                programs, warm_s, compiled, loaded, stored = (m.groups() if m else ("?",) * 5)
                 row = dict(kind=kind, start=i + 1, cold=i == 0, seconds=seconds,
-                           programs=programs, compiled=compiled, loaded=loaded, warmup_s=warm_s)
+                           programs=programs, compiled=compiled, loaded=loaded, stored=stored,
+                           warmup_s=warm_s)
                 rows.append(row)
                 what = "jaxkv serve → /health" if kind == "serve" else "LLM(model)"
                 print(f"| {what} | {i + 1} | {'empty' if i == 0 else 'warm'} | {seconds:.1f} | "
-                      f"{programs} | {compiled} | {loaded} | {warm_s} |", flush=True)
+                      f"{programs} | {compiled} | {loaded} | {stored} | {warm_s} |", flush=True)
     return {"model": args.model, "rows": rows}

@@ -30,12 +30,13 @@ from jaxkv.runtime.batch import StepBatch, build_batch, fit, padding_batch, pow2
 from jaxkv.runtime.draft_steps import draft_loop_inputs
 from jaxkv.runtime.sampling import MAX_BANNED, token_logprobs
 from jaxkv.runtime.steps import DecodeLoopBatch, take_rows
+from jaxkv.runtime.stored_jit import stored_jit
 from jaxkv.sampling_params import MAX_LOGPROBS
 from jaxkv.sharding import commit
 from jaxkv.structured.grammar import bitmask_words
 
 
-@jax.jit
+@stored_jit
 def _place(tokens, at, out):
     """(``tokens`` with the draft loop's ``out`` (i32[K, R]) written at ``at`` (i32[R, K]; past
     the end: dropped), the drafts i32[R, K])."""

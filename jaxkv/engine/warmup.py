@@ -31,6 +31,7 @@ from jaxkv.runtime.page_copy import copy_pages_padded, fill_pages_padded
 from jaxkv.runtime.processors import idle_masks, sample_processed
 from jaxkv.runtime.sampling import RowSettings, sample, sample_keys, token_logprobs
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch
+from jaxkv.runtime.stored_jit import program_store
 from jaxkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class Program:
     warm: Callable[[object, object, dict], None]
     """Runs it once at a size on padding (writes no page); ``ctx`` carries what a later kind
     takes from an earlier one (a step's logits: the samplers' inputs as serving passes them)."""
-    lower: Callable[[object, object], object] | None = None
-    """Lowers it at a size, for the big ones that compile side by side (`_precompile`)."""
+    prepare: Callable[[object, object], object] | None = None
+    """Compiles it at a size (or loads it from the program store), for the big ones that
+    compile side by side (`_precompile`)."""
 
 
 def _padding(runner, t: int):
@@ -62,10 +64,10 @@ def _warm_step(runner, size, ctx) -> None:
                                                  ctx["keys"], ctx["arrays"])
 
 
-def _lower_step(runner, size):
+def _prepare_step(runner, size):
     keys, arrays = runner.sampling([])
-    return runner.steps.step.lower(runner.model.params, runner.state, _padding(runner, size),
-                                   keys, arrays)
+    return _prepare(runner.steps.step, runner.model.params, runner.state,
+                    _padding(runner, size), keys, arrays)
 
 
 def _warm_decode_loop(runner, size, ctx) -> None:
@@ -78,9 +80,17 @@ def _warm_decode_loop(runner, size, ctx) -> None:
         window_page_table=idle.window_page_table))
 
 
-def _lower_decode_loop(runner, size):
-    return runner.steps.decode_loop.lower(runner.model.params, runner.state,
-                                          idle_decode_loop(runner, size))
+def _prepare_decode_loop(runner, size):
+    return _prepare(runner.steps.decode_loop, runner.model.params, runner.state,
+                    idle_decode_loop(runner, size))
+
+
+def _prepare(program, *args) -> None:
+    """Compiles ``program`` for ``args``, where a later call of the same signature finds it:
+    the program store's table when one is in use (`jaxkv.runtime.stored_jit`), else jax's
+    caches."""
+    if program_store() is None or program.executable(*args) is None:
+        program.lower(*args).compile()
 
 
 def _warm_copy_pages(runner, size, ctx) -> None:  # one pair to a dropped destination
@@ -119,9 +129,9 @@ def _host_sizes(runner):
 
 # In the order warmup runs them: the samplers after the steps whose logits they take.
 PROGRAMS = (
-    Program("step", lambda r: r.token_buckets, _warm_step, _lower_step),
+    Program("step", lambda r: r.token_buckets, _warm_step, _prepare_step),
     Program("decode_loop", lambda r: r.row_buckets if r.steps.max_decode_steps > 1 else (),
-            _warm_decode_loop, _lower_decode_loop),
+            _warm_decode_loop, _prepare_decode_loop),
     Program("copy_pages", lambda r: r.copy_buckets, _warm_copy_pages),
     Program("sample", lambda r: (r.max_num_seqs,), _warm_sample),
     Program("logprobs", lambda r: (r.max_num_seqs,), _warm_logprobs),
@@ -164,17 +174,17 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
 
 
 def _precompile(runner, progs) -> None:
-    """Compiles the programs that have a ``lower`` (the steps and decode loops) side by side,
-    one per core: XLA releases the GIL while it compiles, and a compiled program lands in the
-    cache a later call of the same signature hits (the runs in `warmup` then compile
-    nothing)."""
-    big = [(kind, size) for kind, size in progs if _BY_KIND[kind].lower is not None]
+    """Compiles the programs that have a ``prepare`` (the steps and decode loops) side by
+    side, one per core: XLA releases the GIL while it compiles (and while it loads a stored
+    program), and a compiled program lands where a later call of the same signature finds it
+    (the runs in `warmup` then compile nothing)."""
+    big = [(kind, size) for kind, size in progs if _BY_KIND[kind].prepare is not None]
     workers = min(len(big), os.cpu_count() or 1)
     if workers < 2:
         return
     start = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
-        compiled = pool.map(lambda prog: _BY_KIND[prog[0]].lower(runner, prog[1]).compile(), big)
+        compiled = pool.map(lambda prog: _BY_KIND[prog[0]].prepare(runner, prog[1]), big)
         for i, _ in enumerate(compiled):  # (re-raises the first failure)
             kind, size = big[i]
             _log.info("warmup: %s %s compiled (%d/%d of the steps and loops, %.1f s)", kind,
@@ -190,8 +200,8 @@ def warmup(runner) -> int:
         _precompile(runner, progs)
         _run_all(runner, progs)
     _log.info("warmup: %d programs ready in %.1f s (%d compiled, %d loaded from the compilation "
-              "cache)", len(progs), time.perf_counter() - start, compiles.compiled,
-              compiles.cache_hits)
+              "cache, %d from the program store)", len(progs), time.perf_counter() - start,
+              compiles.compiled, compiles.cache_hits, compiles.stored)
     return len(progs)
 
 

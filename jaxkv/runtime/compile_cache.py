@@ -24,6 +24,8 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxkv.runtime.stored_jit import SUBFOLDER, use_program_store
+
 OFF = ("none", "")
 MAX_BYTES = 4 * 2**30  # the folder is an LRU of at most this many bytes (jax evicts)
 
@@ -44,7 +46,15 @@ _ours: list[str] = []  # the folder jaxkv set in jax, if it set one (jax's confi
 def use_compile_cache(setting: str) -> str | None:
     """Points jax's persistent compilation cache at the folder ``setting`` names ("auto", a
     path, or "none"); returns the folder in use (None: off). Idempotent; programs compiled
-    before the first call are not saved, later ones are (every size, not only slow ones)."""
+    before the first call are not saved, later ones are (every size, not only slow ones).
+    jaxkv's own programs are kept whole beside it, in its ``jaxkv-programs`` folder
+    (`jaxkv.runtime.stored_jit`): a later start neither traces nor lowers them."""
+    folder = _use_jax_cache(setting)
+    use_program_store(None if folder is None else Path(folder) / SUBFOLDER)
+    return folder
+
+
+def _use_jax_cache(setting: str) -> str | None:
     current = jax.config.jax_compilation_cache_dir
     if setting in OFF:
         if current and current in _ours:  # off again; a folder the user set stays
@@ -57,7 +67,7 @@ def use_compile_cache(setting: str) -> str | None:
             return current
         named = os.environ.get("JAXKV_COMPILATION_CACHE_DIR")
         if named:  # the setting's environment default: a folder, or none
-            return use_compile_cache(named) if named != "auto" else None
+            return _use_jax_cache(named) if named != "auto" else None
         folder = str(default_dir())
     else:
         folder = str(Path(setting).expanduser())

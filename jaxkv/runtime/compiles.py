@@ -6,6 +6,8 @@ import contextlib
 
 import jax
 
+from jaxkv.runtime.stored_jit import LOADED_EVENT
+
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
@@ -14,10 +16,12 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 class CompileCount:
     """How many backend compiles ran, and how long they took; of them, how many were loaded
-    from the persistent compilation cache (`jaxkv.runtime.compile_cache`) instead of built."""
+    from the persistent compilation cache (`jaxkv.runtime.compile_cache`) instead of built;
+    and how many programs came whole from the program store (`jaxkv.runtime.stored_jit`:
+    neither traced nor lowered, not counted in ``count``)."""
 
     def __init__(self):
-        self.count, self.seconds, self.cache_hits = 0, 0.0, 0
+        self.count, self.seconds, self.cache_hits, self.stored = 0, 0.0, 0, 0
 
     @property
     def compiled(self) -> int:
@@ -32,6 +36,8 @@ class CompileCount:
     def listen_hit(self, event: str, **_) -> None:
         if event == _CACHE_HIT:
             self.cache_hits += 1
+        elif event == LOADED_EVENT:
+            self.stored += 1
 
 
 @contextlib.contextmanager

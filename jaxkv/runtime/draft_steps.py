@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,6 +23,7 @@ from jaxkv.kv import PagedKVState
 from jaxkv.runtime.batch import StepBatch
 from jaxkv.runtime.sampling import RowSettings, argmax
 from jaxkv.runtime.steps import MAX_STOP_IDS, DecodeLoopBatch, _decode_loop, _ragged
+from jaxkv.runtime.stored_jit import stored_jit
 
 
 def draft_loop_inputs(r: int, width: int, num_steps: int, window_table=None) -> DecodeLoopBatch:
@@ -57,8 +57,8 @@ def _propose(graphdef, impl: str, mesh, k: int, params, state: PagedKVState, bat
 @functools.lru_cache(maxsize=8)
 def make_draft_steps(graphdef, attention_impl: str, mesh, k: int) -> tuple:
     """(fill, propose), jitted for a draft model graph and K drafts; the state is donated."""
-    fill = jax.jit(functools.partial(_fill, graphdef, attention_impl, mesh),
+    fill = stored_jit(functools.partial(_fill, graphdef, attention_impl, mesh),
                    donate_argnums=(1,))
-    propose = jax.jit(functools.partial(_propose, graphdef, attention_impl, mesh, k),
+    propose = stored_jit(functools.partial(_propose, graphdef, attention_impl, mesh, k),
                       donate_argnums=(1,))
     return fill, propose

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxkv.kv import PagedKVState
+from jaxkv.runtime.stored_jit import stored_jit
 from pallas_kernels.quant import NAN_SCALES, pages_per_scale_row
 
 
@@ -55,7 +55,7 @@ def _copy(state: PagedKVState, src, dst, window: bool):
     return kv, scales
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(stored_jit, donate_argnums=(0,))
 def copy_pages(state: PagedKVState, src, dst, window_src=None, window_dst=None
                ) -> PagedKVState:
     """Copies page ``src[i]`` to page ``dst[i]`` in every layer and kv head (i32[N] each),
@@ -72,7 +72,7 @@ def copy_pages(state: PagedKVState, src, dst, window_src=None, window_dst=None
     return state.replace(window_pages=window_pages, window_scales=window_scales)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(stored_jit, donate_argnums=(0,))
 def fill_pages(state: PagedKVState, pages, value) -> PagedKVState:
     """Sets every entry of pages ``pages`` (i32[N]; >= P is dropped) to ``value``: the debug
     option that poisons freed pages with NaN, to prove they are never read. Quantized pages,
@@ -157,7 +157,7 @@ def _read_pages(kv_pages, pages):
                          jnp.zeros((pages.shape[0], L, K, S, D2), kv_pages.dtype))
 
 
-@jax.jit
+@stored_jit
 def gather_pages(state: PagedKVState, pages):
     """The contents of pages ``pages`` (i32[N]; >= P gives zeros), page-major for a host pool
     or a transfer: (values [N, L, K, S, 2D], scale words i32[N, L, K, S] or None). Not donated:
@@ -166,7 +166,7 @@ def gather_pages(state: PagedKVState, pages):
     return _read_pages(state.kv_pages, pages), scales
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(stored_jit, donate_argnums=(0,))
 def load_pages(state: PagedKVState, pages, values, scales) -> PagedKVState:
     """Writes page-major ``values`` [N, L, K, S, 2D] (and ``scales`` [N, L, K, S] for quantized
     pages) into pages ``pages`` (i32[N]; >= P is dropped): a host pool's pages coming back."""

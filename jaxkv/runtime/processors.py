@@ -33,6 +33,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.runtime.sampling import SamplingArrays, sample_tokens
+from jaxkv.runtime.stored_jit import stored_jit
 from jaxkv.structured.grammar import bitmask_words
 
 MIN_ENTRIES = 64  # the smallest entry bucket (entries per row are padded to a power of two)
@@ -97,7 +98,7 @@ def apply_token_bitmask(logits, mask, masked):
     return jnp.where(masked[:, None] & (bits == 0), -jnp.inf, logits)
 
 
-@jax.jit
+@stored_jit
 def sample_processed(logits, keys, sampling: SamplingArrays, processors: LogitsProcessors,
                      tokens):
     """``tokens`` with the rows that have processors drawn again (`sample_tokens`, their own

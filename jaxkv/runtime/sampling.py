@@ -27,6 +27,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.config import cdiv
+from jaxkv.runtime.stored_jit import stored_jit
 
 TOP_K_CAP = 256  # candidates for top-k / top-p thresholds
 MAX_BANNED = 16  # token ids a row can ban at one step (its stop ids before min_tokens)
@@ -261,10 +262,10 @@ def sample_tokens(logits, keys, sampling: SamplingArrays):
     return jax.lax.cond(jnp.any(hot), stochastic, greedy)
 
 
-sample = jax.jit(sample_tokens)  # the same, as its own program (fork samples, tests)
+sample = stored_jit(sample_tokens)  # the same, as its own program (fork samples, tests)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
+@functools.partial(stored_jit, static_argnums=(2,))
 def token_logprobs(logits, tokens, k: int):
     """Log-probabilities of f32[B, V] logits (fp32 log-softmax): the chosen ``tokens``' (f32[B])
     with their rank (i32[B], 1 = the most likely; ties share the better rank), and the ``k``

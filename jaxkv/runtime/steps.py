@@ -56,6 +56,7 @@ from jaxkv.runtime.sampling import (
     token_logprobs,
 )
 from jaxkv.runtime.spec_verify import accept_drawn
+from jaxkv.runtime.stored_jit import stored_jit
 from jaxkv.sharding import kv_sharding, sharded_attention
 
 MAX_STOP_IDS = 8  # stop ids (EOS included) a row can check on device (<= MAX_BANNED)
@@ -335,7 +336,7 @@ def _verified(model, hidden, draft, num_draft, keys, sampling: SamplingArrays, b
     return tokens, logits, scores
 
 
-@jax.jit
+@stored_jit
 def take_rows(hidden, idx):
     """``hidden[idx]`` flattened: the rows a verification reads (one program per step
     bucket and row bucket, each a gather)."""
@@ -379,14 +380,14 @@ def make_steps(graphdef, attention_impl: str = "auto", mesh=None, max_decode_ste
     check_attention_impl(attention_impl)
     if not isinstance(max_decode_steps, int) or max_decode_steps < 1:
         raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
-    step = jax.jit(functools.partial(_step, graphdef, attention_impl, mesh), donate_argnums=(1,))
-    loop = jax.jit(functools.partial(_decode_loop, graphdef, attention_impl, mesh,
+    step = stored_jit(functools.partial(_step, graphdef, attention_impl, mesh), donate_argnums=(1,))
+    loop = stored_jit(functools.partial(_decode_loop, graphdef, attention_impl, mesh,
                                      max_decode_steps), donate_argnums=(1,))
-    plp = jax.jit(functools.partial(_prompt_logprobs, graphdef), static_argnums=(4,))
-    verify_rows = jax.jit(functools.partial(_verify, graphdef, attention_impl, mesh))
-    spec = jax.jit(functools.partial(_spec_step, graphdef, attention_impl, mesh),
+    plp = stored_jit(functools.partial(_prompt_logprobs, graphdef), static_argnums=(4,))
+    verify_rows = stored_jit(functools.partial(_verify, graphdef, attention_impl, mesh))
+    spec = stored_jit(functools.partial(_spec_step, graphdef, attention_impl, mesh),
                    donate_argnums=(1,))
-    drafter = None if draft is None else jax.jit(functools.partial(
+    drafter = None if draft is None else stored_jit(functools.partial(
         _decode_loop, graphdef, attention_impl, mesh, draft[0], num_layers=draft[1]),
         donate_argnums=(1,))
     return Steps(step=step, decode_loop=loop, max_decode_steps=max_decode_steps,
