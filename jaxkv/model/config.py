@@ -7,7 +7,9 @@ and refuses, by name, any architecture or option this implementation does not co
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,13 +175,16 @@ class ModelConfig:
         """Builds a config from a checkpoint folder, a config.json path, or an HF config."""
         hf = path_or_config
         if isinstance(path_or_config, (str, Path)):
-            from transformers import AutoConfig
-
             path = Path(path_or_config)
             folder = path.parent if path.name == "config.json" else path
             if not (folder / "config.json").is_file():
                 raise CheckpointNotFoundError(
                     f"no config.json in checkpoint folder {str(folder)!r}")
+            plain = _plain_llama(folder / "config.json")
+            if plain is not None:
+                return _from_hf_config(plain)
+            from transformers import AutoConfig
+
             try:
                 hf = AutoConfig.from_pretrained(str(folder))
             except (ValueError, KeyError) as e:
@@ -257,6 +262,49 @@ class ModelConfig:
                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
                        mlp_only_layers=list(self.dense_layers))
         return out
+
+
+# What a Llama config.json must spell out for `_plain_llama` to read it as transformers would:
+# each key whose LlamaConfig default differs from what `_from_hf_config` assumes when absent.
+_LLAMA_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "max_position_embeddings")
+
+
+def _plain_llama(path: Path) -> types.SimpleNamespace | None:
+    """A Llama config.json read without transformers (importing its configs imports torch, most
+    of a warm start), or None: then `AutoConfig` reads it. Only where nothing is left to
+    transformers' defaults or checks (every key of _LLAMA_INTS an int, rms_norm_eps, the RoPE
+    base, bos/eos ids, whole heads), so both readers give the same config (tests/test_config.py
+    compares them)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") != "llama":
+        return None
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling")
+    theta = (rope or {}).get("rope_theta", raw.get("rope_theta")) \
+        if isinstance(rope, dict) or rope is None else None
+    ids_ok = all(key in raw and (raw[key] is None or _ints(raw[key]))
+                 for key in ("bos_token_id", "eos_token_id"))
+    if not (all(_ints(raw.get(key)) and not isinstance(raw.get(key), list) for key in _LLAMA_INTS)
+            and isinstance(raw.get("rms_norm_eps"), (int, float))
+            and isinstance(theta, (int, float)) and ids_ok
+            and raw["hidden_size"] % raw["num_attention_heads"] == 0
+            and all(_ints(raw.get(k)) or raw.get(k) is None
+                    for k in ("num_key_value_heads", "head_dim"))):
+        return None
+    hf = types.SimpleNamespace(**raw)
+    if rope is None:  # transformers' standard form (what its configs hold)
+        hf.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    return hf
+
+
+def _ints(value) -> bool:
+    """An int (not a bool), or a non-empty list of them."""
+    if isinstance(value, list):
+        return bool(value) and all(_ints(v) and not isinstance(v, list) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _rope_dict(hf) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -176,12 +177,27 @@ def load_pretrained(path: str | Path, *, dtype: str = "auto", param_dtype: str |
     else:
         module = load_tensors(int4.hf_tensors(), str(path), config,
                               quantization=int4.scheme(requested), **kwargs)
-    tokenizer = None
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
+    return Model.from_module(module, load_tokenizer(path), str(path))
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return Model.from_module(module, tokenizer, str(path))
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer (None if it has none), as `AutoTokenizer` builds it. One whose
+    tokenizer_config.json names the generic class is built as that class directly:
+    `AutoTokenizer` would build the same, after importing transformers' model configs (and
+    with them torch, seconds of a start)."""
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        return None
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named == "PreTrainedTokenizerFast" and (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def _load_gguf(path: Path, dtype, param_dtype, scan_layers, on_host, quantization) -> Model:
