@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from jaxkv.errors import CheckpointError, UnsupportedModelError
 from jaxkv.model.config import ModelConfig, RopeScaling
+from jaxkv.model.gguf_file import GGUFFile, NotPlainGGUF
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                  "qwen3moe")  # (Mixtral is "llama" with experts)
@@ -103,19 +105,24 @@ class GGUFCheckpoint:
     """One open GGUF file: its config, its tensors under HF names, its tokenizer."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(str(self.path))
-        except (ValueError, OSError) as e:
+            try:
+                read = GGUFFile(self.path)
+                self.fields, self.tensors = read.fields, read.tensors
+            except NotPlainGGUF:  # (big-endian, another version): gguf's own reader
+                from gguf import GGUFReader
+
+                reader = GGUFReader(str(self.path))
+                self.fields = {k: f.contents() for k, f in reader.fields.items()}
+                self.tensors = {t.name: t for t in reader.tensors}
+        except (ValueError, OSError, struct.error, UnicodeDecodeError) as e:
             raise CheckpointError(f"{str(self.path)!r} is not a readable GGUF file: {e}") from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
         self.config = self._config()
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        value = self.fields.get(key)
+        return default if value is None else value
 
     def _config(self) -> ModelConfig:
         arch = self.field("general.architecture")

@@ -138,27 +138,47 @@ class _Traced(Exception):
     """Called inside another program's trace: nothing to store."""
 
 
+def _on_default_device(x) -> bool:
+    """A host array, or a device array on the default device alone: one executable takes both
+    (it places host inputs where its inputs live), so a program fed host arrays and one fed the
+    previous program's outputs (a decode loop's continuation) share it, where jax.jit compiles
+    one for each (it keys on whether an argument is committed)."""
+    if not isinstance(x, jax.Array):
+        return True
+    s = x.sharding
+    return isinstance(s, jax.sharding.SingleDeviceSharding) and s.device_set == _default()
+
+
+@functools.lru_cache(maxsize=1)
+def _default() -> set:
+    return {jax.devices()[0]}
+
+
 def _leaf(x):
     """A leaf's part of the call's signature (in memory)."""
     if isinstance(x, jax.core.Tracer):
         raise _Traced
-    if isinstance(x, jax.Array):
-        return x.aval, x.sharding
     if isinstance(x, (np.ndarray, np.generic)):
-        return x.shape, x.dtype
+        return x.shape, x.dtype, False
+    if isinstance(x, jax.Array):
+        if _on_default_device(x):
+            return x.shape, x.dtype, x.aval.weak_type
+        return x.aval, x.sharding
     return type(x)
 
 
 def _leaf_text(x) -> str:
     """The same, as reproducible text (devices by id)."""
+    if isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array)
+                                                     and _on_default_device(x)):
+        weak = isinstance(x, jax.Array) and x.aval.weak_type
+        return f"{x.shape}{np.dtype(x.dtype).name}~{weak}"
     if isinstance(x, jax.Array):
         s = x.sharding
         mesh = getattr(s, "mesh", None)
         ids = [d.id for d in mesh.devices.flat] if mesh is not None and hasattr(mesh, "devices") \
             else sorted(d.id for d in s.device_set)
         return f"{x.aval.str_short(short_dtypes=False)}~{x.aval.weak_type}@{s!r}{ids}"
-    if isinstance(x, (np.ndarray, np.generic)):
-        return f"np{x.shape}{x.dtype.str}"
     return type(x).__name__
 
 
