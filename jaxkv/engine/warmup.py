@@ -48,8 +48,9 @@ class Program:
     """Runs it once at a size on padding (writes no page); ``ctx`` carries what a later kind
     takes from an earlier one (a step's logits: the samplers' inputs as serving passes them)."""
     prepare: Callable[[object, object], object] | None = None
-    """Compiles it at a size (or loads it from the program store), for the big ones that
-    compile side by side (`_precompile`)."""
+    """Compiles it at a size (or loads it from the program store) ahead of its run, for the
+    ones that compile side by side (`_precompile`): the steps, the decode loops, and with the
+    program store the samplers."""
 
 
 def _padding(runner, t: int):
@@ -110,6 +111,30 @@ def _warm_sample(runner, size, ctx) -> None:  # the fork sampler: one shape for 
     ctx["forked"] = sample(ctx["logits"], ctx["keys"], ctx["arrays"])
 
 
+def _sampler_inputs(runner):
+    """Logits, keys, settings and tokens shaped as a step's outputs give the samplers (host
+    arrays: the program store keys them as the outputs, on the default device)."""
+    keys, arrays = runner.sampling([])
+    rows, vocab = runner.max_num_seqs, runner.model.config.vocab_size
+    return np.zeros((rows, vocab), np.float32), keys, arrays, np.zeros(rows, np.int32)
+
+
+def _prepare_sampler(runner, kind: str, size) -> None:
+    """Compiles a sampler alongside the steps, where the program store will hand it to the run
+    in `warmup` (without the store, jax.jit would compile it again for the device arrays that
+    run passes: then it compiles there)."""
+    if program_store() is None:
+        return
+    logits, keys, arrays, tokens = _sampler_inputs(runner)
+    if kind == "sample":
+        _prepare(sample, logits, keys, arrays)
+    elif kind == "logprobs":
+        _prepare(token_logprobs, logits, tokens, MAX_LOGPROBS)
+    else:
+        _prepare(sample_processed, logits, keys, arrays, idle_masks(
+            size, runner.max_num_seqs, runner.model.config.vocab_size), tokens)
+
+
 def _warm_logprobs(runner, size, ctx) -> None:  # of a step's tokens, and of a fork's
     for drawn in (ctx["tokens"], ctx["forked"]):
         token_logprobs(ctx["logits"], drawn, MAX_LOGPROBS)
@@ -142,11 +167,13 @@ PROGRAMS = (
     Program("decode_loop", lambda r: r.row_buckets if r.steps.max_decode_steps > 1 else (),
             _warm_decode_loop, _prepare_decode_loop),
     Program("copy_pages", lambda r: r.copy_buckets, _warm_copy_pages),
-    Program("sample", lambda r: (r.max_num_seqs,), _warm_sample),
-    Program("logprobs", lambda r: (r.max_num_seqs,), _warm_logprobs),
+    Program("sample", lambda r: (r.max_num_seqs,), _warm_sample,
+            lambda r, size: _prepare_sampler(r, "sample", size)),
+    Program("logprobs", lambda r: (r.max_num_seqs,), _warm_logprobs,
+            lambda r, size: _prepare_sampler(r, "logprobs", size)),
     # structured outputs: masked draws per row bucket
     Program("sample_masked", lambda r: r.row_buckets if r.model.tokenizer is not None else (),
-            _warm_sample_masked),
+            _warm_sample_masked, lambda r, size: _prepare_sampler(r, "sample_masked", size)),
     # speculative decoding: a gather per (token, row) bucket pair, then verification per row
     # bucket (and the draft's programs, when drafts come from the device)
     Program("verify", lambda r: [(t, b) for t in r.token_buckets for b in r.row_buckets]
@@ -183,11 +210,12 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
 
 
 def _precompile(runner, progs) -> None:
-    """Compiles the programs that have a ``prepare`` (the steps and decode loops) side by
-    side, one per core: XLA releases the GIL while it compiles (and while it loads a stored
+    """Compiles the programs that have a ``prepare`` side by side, one per core (the longest
+    first, the samplers filling in after): XLA releases the GIL while it compiles (and while it loads a stored
     program), and a compiled program lands where a later call of the same signature finds it
     (the runs in `warmup` then compile nothing)."""
     big = [(kind, size) for kind, size in progs if _BY_KIND[kind].prepare is not None]
+    big.sort(key=lambda prog: prog[0] not in ("step", "decode_loop"))  # the longest first
     workers = min(len(big), os.cpu_count() or 1)
     if workers < 2:
         return
@@ -196,7 +224,7 @@ def _precompile(runner, progs) -> None:
         compiled = pool.map(lambda prog: _BY_KIND[prog[0]].prepare(runner, prog[1]), big)
         for i, _ in enumerate(compiled):  # (re-raises the first failure)
             kind, size = big[i]
-            _log.info("warmup: %s %s compiled (%d/%d of the steps and loops, %.1f s)", kind,
+            _log.info("warmup: %s %s compiled (%d/%d compiled side by side, %.1f s)", kind,
                       size, i + 1, len(big), time.perf_counter() - start)
 
 
