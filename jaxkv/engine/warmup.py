@@ -211,9 +211,9 @@ def idle_decode_loop(engine, rows: int) -> DecodeLoopBatch:
 
 def _precompile(runner, progs) -> None:
     """Compiles the programs that have a ``prepare`` side by side, one per core (the longest
-    first, the samplers filling in after): XLA releases the GIL while it compiles (and while it loads a stored
-    program), and a compiled program lands where a later call of the same signature finds it
-    (the runs in `warmup` then compile nothing)."""
+    first, the samplers filling in after): XLA releases the GIL while it compiles (and while
+    it loads a stored program), and a compiled program lands where a later call of the same
+    signature finds it (the runs in `warmup` then compile nothing)."""
     big = [(kind, size) for kind, size in progs if _BY_KIND[kind].prepare is not None]
     big.sort(key=lambda prog: prog[0] not in ("step", "decode_loop"))  # the longest first
     workers = min(len(big), os.cpu_count() or 1)
