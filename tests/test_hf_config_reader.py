@@ -61,12 +61,12 @@ config = st.fixed_dictionaries({
     "num_hidden_layers": _maybe(st.sampled_from([1, 2])),
     "num_attention_heads": _maybe(heads),
     "num_key_value_heads": _maybe(st.one_of(st.none(), st.sampled_from([1, 2]))),
-    "head_dim": _maybe(st.one_of(st.none(), st.sampled_from([8, 16]))),
+    "head_dim": _maybe(st.one_of(st.none(), st.sampled_from([8, 16, 7]))),
     "rms_norm_eps": _maybe(st.sampled_from([1e-5, 1e-6])),
     "rope_theta": _maybe(st.sampled_from([10000.0, 1000000.0, 10000])),
     "rope_scaling": rope,
     "max_position_embeddings": _maybe(st.sampled_from([128, 512])),
-    "tie_word_embeddings": _maybe(st.booleans()),
+    "tie_word_embeddings": _maybe(st.one_of(st.booleans(), st.just("false"))),
     "attention_bias": _maybe(st.booleans()),
     "mlp_bias": _maybe(st.booleans()),
     "hidden_act": _maybe(st.sampled_from(["silu", "gelu"])),
@@ -100,6 +100,8 @@ def test_the_reader_is_used_where_the_file_is_complete(tmp_path):
 
 
 complete = config.map(lambda raw: {**raw, "model_type": "llama", "vocab_size": 128,
+                                   "head_dim": 16 if raw["head_dim"] == 7 else raw["head_dim"],
+                                   "tie_word_embeddings": raw["tie_word_embeddings"] is True,
                                    "hidden_size": 64, "intermediate_size": 128,
                                    "num_hidden_layers": 2, "num_attention_heads": 4,
                                    "rms_norm_eps": 1e-5, "rope_theta": 10000.0,

@@ -135,3 +135,20 @@ def test_another_process_loads_it(tmp_path):
     assert first[0] == "0" and int(first[1]) >= 1
     assert second[0] == "1" and second[1] == "0"  # whole from disk: nothing compiled
     assert first[2] == second[2] == str([0.0, 2.0, 6.0, 12.0, 20.0]) + "\n"
+
+
+def test_a_users_own_model_class_is_in_the_key():
+    from flax import nnx
+
+    from jaxkv.model.pretrained import load_default
+    from jaxkv.runtime.stored_jit import _describe_fn, _user_classes
+
+    class Mine(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+
+    graph, _ = nnx.split(Mine())
+    (entry,) = _user_classes(graph)  # this file's hash: editing the class changes the key
+    assert "Mine" in entry and not entry.endswith(":?")
+    assert entry in _describe_fn(functools.partial(_scale, graph), {})
+    assert _user_classes(load_default().graphdef) == []  # jaxkv's own: in the code hash

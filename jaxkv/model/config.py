@@ -274,7 +274,8 @@ def _plain_llama(path: Path) -> types.SimpleNamespace | None:
     """A Llama config.json read without transformers (importing its configs imports torch, most
     of a warm start), or None: then `AutoConfig` reads it. Only where nothing is left to
     transformers' defaults or checks (every key of _LLAMA_INTS an int, rms_norm_eps, the RoPE
-    base, bos/eos ids, whole heads), so both readers give the same config (tests/test_config.py
+    base, bos/eos ids, whole heads of an even width, real booleans), so both readers give the
+    same config (tests/test_config.py
     compares them)."""
     try:
         raw = json.loads(path.read_text())
@@ -292,7 +293,10 @@ def _plain_llama(path: Path) -> types.SimpleNamespace | None:
             and isinstance(theta, (int, float)) and ids_ok
             and raw["hidden_size"] % raw["num_attention_heads"] == 0
             and all(_ints(raw.get(k)) or raw.get(k) is None
-                    for k in ("num_key_value_heads", "head_dim"))):
+                    for k in ("num_key_value_heads", "head_dim"))
+            and (raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]) % 2 == 0
+            and all(isinstance(raw.get(k, False), bool)
+                    for k in ("tie_word_embeddings", "attention_bias", "mlp_bias"))):
         return None
     hf = types.SimpleNamespace(**raw)
     if rope is None:  # transformers' standard form (what its configs hold)

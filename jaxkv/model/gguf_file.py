@@ -59,6 +59,8 @@ class GGUFFile:
         self.fields: dict[str, object] = {}
         for _ in range(n_kv):
             key = self._string()
+            if key in self.fields:
+                raise ValueError(f"Duplicate {key} already in list at offset {self._at}")
             (kind,) = self._unpack("<I")
             self.fields[key] = self._value(kind)
         infos = []

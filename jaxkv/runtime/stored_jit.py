@@ -28,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import pickle
 import platform
+import sys
 import threading
+import weakref
 from pathlib import Path
 
 import jax
@@ -100,8 +103,12 @@ def _environment() -> str:
     settings = sorted((k, repr(v)) for k, v in jax.config.values.items()
                       if not any(word in k.upper() for word in _NOT_SEMANTIC))
     devices = [(d.id, d.device_kind, d.process_index) for d in jax.devices()]
-    return repr((_code_hash(), jax.__version__, jaxlib.__version__, client.platform,
-                 client.platform_version, devices, _cpu_flags(), env, settings))
+    versions = [jax.__version__, jaxlib.__version__, np.__version__]
+    for name in ("flax", "ml_dtypes"):
+        module = sys.modules.get(name)
+        versions.append(getattr(module, "__version__", None))
+    return repr((_code_hash(), versions, client.platform, client.platform_version, devices,
+                 _cpu_flags(), env, settings))
 
 
 @functools.lru_cache(maxsize=256)
@@ -117,12 +124,39 @@ def _describe_code(code) -> str:
     return f"{code.co_firstlineno}:{code.co_code.hex()}:{consts}:{code.co_names}"
 
 
+_CONTEXT_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision",
+                     "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
+                     "jax_default_prng_impl")
+
+
+def _settings() -> tuple:
+    """jax's settings that a `with` block may change between calls (the in-memory table keys
+    on them; a key on disk on all of them)."""
+    return tuple(getattr(jax.config, name, None) for name in _CONTEXT_SETTINGS)
+
+
+def _user_classes(value) -> list[str]:
+    """Source hashes of the classes in a flax graph (``value``) defined outside jaxkv, flax
+    and jax: a model class of the user's own, whose code the key must cover."""
+    out = []
+    for node in getattr(value, "nodes", ()) or ():
+        cls = getattr(node, "type", None)
+        module = getattr(cls, "__module__", "") or ""
+        if isinstance(cls, type) and not module.startswith(("jaxkv", "flax", "jax")):
+            try:
+                out.append(f"{module}.{cls.__qualname__}:{_file_hash(inspect.getfile(cls))}")
+            except (TypeError, OSError):
+                out.append(f"{module}.{cls.__qualname__}:?")
+    return sorted(set(out))
+
+
 def _describe_fn(fn, jit_kwargs: dict) -> str:
     """The function (its file's hash, its bytecode, what its closure holds), what a partial
     binds, and the jit options, as text."""
     parts = []
     while isinstance(fn, functools.partial):
         parts.append(repr((fn.args, sorted(fn.keywords.items()))))
+        parts += [c for a in fn.args for c in _user_classes(a)]
         fn = fn.func
     code = getattr(fn, "__code__", None)
     if code is not None:
@@ -146,7 +180,8 @@ def _on_default_device(x) -> bool:
     if not isinstance(x, jax.Array):
         return True
     s = x.sharding
-    return isinstance(s, jax.sharding.SingleDeviceSharding) and s.device_set == _default()
+    return isinstance(s, jax.sharding.SingleDeviceSharding) and s.device_set == _default() \
+        and s.memory_kind in (None, "device")
 
 
 @functools.lru_cache(maxsize=1)
@@ -194,7 +229,8 @@ class StoredJit:
         self._storable = "static_argnames" not in jit_kwargs
         self._name = _describe_fn(fn, jit_kwargs)
         self._table: dict = {}  # signature -> Compiled, or None: run through the jitted
-        self._memo: tuple = (None, None)  # the last first argument (the params) and its part
+        # the last first argument (the params), weakly held, and its part of the signature
+        self._memo: tuple = (None, None)
         functools.update_wrapper(self, fn, updated=())
 
     def __getattr__(self, name):
@@ -216,17 +252,20 @@ class StoredJit:
             else args
 
     def _signature(self, args) -> tuple:
-        parts = []
+        parts = [_settings()]
         for i, a in enumerate(args):
             if i in self._static:
                 parts.append(("static", a))
-            elif i == 0 and a is self._memo[0]:
-                parts.append(self._memo[1])
+            elif i == 0 and (memo := self._memo)[0] is not None and memo[0]() is a:
+                parts.append(memo[1])
             else:
                 leaves, tree = jax.tree.flatten(a)
                 part = (tree, tuple(map(_leaf, leaves)))
                 if i == 0:
-                    self._memo = (a, part)
+                    try:  # (weakly: old params must not outlive an update)
+                        self._memo = (weakref.ref(a), part)
+                    except TypeError:
+                        self._memo = (None, None)
                 parts.append(part)
         return tuple(parts)
 
@@ -263,13 +302,15 @@ class StoredJit:
         if path.is_file():
             try:
                 compiled = _read(path)
-                os.utime(path)  # recently used: evicted last
+                with contextlib.suppress(OSError):  # recently used: evicted last
+                    os.utime(path)
                 jax.monitoring.record_event(LOADED_EVENT)
                 return compiled
             except Exception as e:  # noqa: BLE001 - a stale or torn file: compile anew
                 _log.warning("program store: %s did not load (%s: %s); compiling it again",
                              path.name, type(e).__name__, e)
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         with _jax_cache_bypassed():  # (one jax loaded from its cache would not store whole)
             compiled = self.jitted.lower(*args).compile()
         try:
