@@ -38,6 +38,15 @@ def test_the_embedded_models_config_is_read_without_transformers():
     assert ModelConfig.from_hf(DEFAULT_MODEL_DIR) == _through_transformers(DEFAULT_MODEL_DIR)
 
 
+def _write_config(tmp_path, raw):
+    """A checkpoint folder whose config.json holds ``raw`` without its absent keys."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(
+        {k: v for k, v in raw.items() if v is not _ABSENT}))
+    return folder
+
+
 def _maybe(value):
     return st.one_of(st.just(_ABSENT), value)
 
@@ -79,10 +88,7 @@ config = st.fixed_dictionaries({
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=config)
 def test_jaxkvs_reader_agrees_with_transformers(raw, tmp_path):
-    folder = tmp_path / "ckpt"
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(
-        {k: v for k, v in raw.items() if v is not _ABSENT}))
+    folder = _write_config(tmp_path, raw)
     assert _through_jaxkv(folder) == _through_transformers(folder)
 
 
@@ -116,10 +122,7 @@ complete = config.map(lambda raw: {**raw, "model_type": "llama", "vocab_size": 1
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=complete)
 def test_complete_llama_configs_are_read_by_jaxkv_alike(raw, tmp_path):
-    folder = tmp_path / "ckpt"
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(
-        {k: v for k, v in raw.items() if v is not _ABSENT}))
+    folder = _write_config(tmp_path, raw)
     assert _plain_llama(folder / "config.json") is not None  # (the path under test)
     assert _through_jaxkv(folder) == _through_transformers(folder)
 

@@ -150,6 +150,16 @@ def _user_classes(value) -> list[str]:
     return sorted(set(out))
 
 
+def _binds_arrays(fn) -> bool:
+    """Whether a partial's arguments or the function's closure hold an array."""
+    bound = []
+    while isinstance(fn, functools.partial):
+        bound += [fn.args, fn.keywords]
+        fn = fn.func
+    bound += [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    return any(isinstance(x, (np.ndarray, jax.Array)) for x in jax.tree.leaves(bound))
+
+
 def _describe_fn(fn, jit_kwargs: dict) -> str:
     """The function (its file's hash, its bytecode, what its closure holds), what a partial
     binds, and the jit options, as text."""
@@ -226,7 +236,8 @@ class StoredJit:
         self.jitted = jax.jit(fn, **jit_kwargs)
         static = jit_kwargs.get("static_argnums", ())
         self._static = frozenset((static,) if isinstance(static, int) else static)
-        self._storable = "static_argnames" not in jit_kwargs
+        # (a bound array is shortened in a repr: two such programs could share a key)
+        self._storable = "static_argnames" not in jit_kwargs and not _binds_arrays(fn)
         self._name = _describe_fn(fn, jit_kwargs)
         self._table: dict = {}  # signature -> Compiled, or None: run through the jitted
         # the last first argument (the params), weakly held, and its part of the signature
@@ -287,9 +298,8 @@ class StoredJit:
                 leaves, tree = jax.tree.flatten(a)
                 parts.append(f"{tree}|{'|'.join(map(_leaf_text, leaves))}")
         text = "\n".join(parts)
-        if " at 0x" in text or "object at" in text or "..." in self._name:
-            return None  # not reproducible in another process, or not all there (an array's
-            # repr shortened by numpy): jax.jit then
+        if " at 0x" in text or "object at" in text:
+            return None  # not reproducible in another process: jax.jit then
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _load_or_compile(self, args):
