@@ -198,6 +198,7 @@ def _add_serve_parser(subparsers) -> None:
                    help="how tool calls look in the model's text, for tool_choice 'auto' "
                         "(default: detected from the chat template)")
     p.set_defaults(func=run_serve, settings=add_engine_arguments(p))
+    p.set_defaults(background_warmup=True)  # healthy once requests can run (see RuntimeConfig)
 
 
 def run_serve(args) -> int:
@@ -213,7 +214,9 @@ def run_serve(args) -> int:
     settings = engine_settings(args, args.settings)
     if args.host_kv_cache_gib is not None:
         settings["host_kv_cache_bytes"] = int(args.host_kv_cache_gib * 2**30)
-    llm = jaxkv.LLM(args.model, **settings)  # compiles every program first (--no-warmup: not)
+    # compiles what every request needs (the rest in the background; --no-background-warmup:
+    # every program first)
+    llm = jaxkv.LLM(args.model, **settings)
     serve(llm, model_name=args.served_model_name or args.model or "tiny-llama",
           host=args.host, port=args.port, max_pending=args.max_pending, api_keys=keys,
           tool_call_parser=args.tool_call_parser,

@@ -408,6 +408,9 @@ class DisaggregatedEngine:
     def weight_version(self) -> int | str:
         return self.decode.weight_version
 
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        return all([e.wait_for_warmup(timeout) for e in (self.prefill, self.decode)])
+
     def warmup(self) -> int:
         """Compiles both engines' programs and the transfer's (one per payload size)."""
         self._drain()

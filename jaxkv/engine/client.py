@@ -55,6 +55,10 @@ class EngineClient(Protocol):
     def warmup(self) -> int:
         """Compiles every program serving can run; returns how many."""
 
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Waits for the programs compiling in the background (``background_warmup``);
+        returns whether every one is ready."""
+
     @property
     def weight_version(self) -> int | str:
         """The version of the weights served (see `update_params`)."""

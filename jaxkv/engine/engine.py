@@ -257,7 +257,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 return Dispatched(outputs, current.plan, error=e)
             return Dispatched(outputs, current.plan, current.read)
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self.runner.ready_tokens())
         try:
             launched = launch.launch(self, plan)
             if isinstance(launched, LoopRun):
@@ -398,6 +398,12 @@ class Engine:
         compile; returns how many (see `jaxkv.engine.warmup`)."""
         return self.runner.warmup()
 
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Waits until the programs ``background_warmup`` left compiling are ready (or
+        ``timeout`` seconds pass); returns whether they are."""
+        warming = self.runner.warming
+        return warming is None or warming.wait(timeout)
+
     # ---- failures and accounting ---------------------------------------------------------
 
     def _fail(self, plan, error: Exception) -> list[RequestOutput]:
@@ -437,6 +443,7 @@ class Engine:
             generated_tokens=c.generated_tokens, preemptions=c.preemptions,
             kv_pages_total=self.num_pages, kv_pages_used=used, kv_pages_cached=cached,
             kv_pages_free=self.allocator.num_free, steps=self.runner.num_steps,
+            programs_compiling=len(self.runner.pending),
             **window_stats(self.window), **spec_stats(c),
             **tier_stats(self.radix, self.runner.host_pool))
 

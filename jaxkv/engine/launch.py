@@ -16,6 +16,7 @@ from jaxkv.engine.reads import LoopRun, TokenRead
 from jaxkv.engine.request import RequestStatus
 from jaxkv.engine.runner import ModelRunner
 from jaxkv.engine.scheduler import Scheduler
+from jaxkv.runtime.batch import fit
 from jaxkv.runtime.processors import has_processors
 from jaxkv.runtime.steps import MAX_STOP_IDS
 
@@ -61,8 +62,10 @@ def launch(engine: Engine, plan: SchedulerOutput) -> TokenRead | LoopRun | None:
 def loop_steps(engine: Engine, plan: SchedulerOutput) -> int:
     """How many decode steps to run on device for this plan (1: a plain step): only
     decodes, no request waiting, and every row's stop ids checkable on device."""
-    most = engine.runner.steps.max_decode_steps
+    runner = engine.runner
+    most = runner.steps.max_decode_steps
     if (most == 1 or plan.prefill_rows or engine.scheduler.waiting
+            or ("decode_loop", fit(len(plan.decode_rows), runner.row_buckets)) in runner.pending
             or any(r.num_draft for r in plan.decode_rows)  # speculating: a verify step
             or engine.scheduler.connector.hands_off  # a prompt's last token: hand off
             or any(len(r.samples) != 1 or r.samples[0].logprobs is not None

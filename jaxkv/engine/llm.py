@@ -232,6 +232,12 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Waits until the programs ``background_warmup`` left compiling are ready (or
+        ``timeout`` seconds pass); returns whether every one is. Immediately True without
+        background_warmup."""
+        return self.engine.wait_for_warmup(timeout)
+
 
 def _engine_config(cfg: EngineConfig, pool, max_model_len: int, *,
                    seed_offset: int = 0) -> EngineConfig:

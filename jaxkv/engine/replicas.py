@@ -105,6 +105,9 @@ class ReplicatedEngine:
     def warmup(self) -> int:
         return sum(e.warmup() for e in self.replicas)
 
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        return all([e.wait_for_warmup(timeout) for e in self.replicas])
+
     @property
     def weight_version(self) -> int | str:
         return self.replicas[0].weight_version

@@ -258,6 +258,7 @@ class EngineStats:
     kv_pages_cached: int  # held only by the prefix cache (evictable)
     kv_pages_free: int
     steps: int  # device steps run
+    programs_compiling: int = 0  # still compiling in the background (background_warmup)
     # Of the prefix-cache hit tokens: found on the device, or brought back from the host tier
     # (``host_kv_cache_bytes``), whose pages and bytes in use are counted below.
     device_hit_tokens: int = 0

@@ -113,6 +113,8 @@ class ModelRunner:
         self.window_table = None if window is None else \
             WindowTable(max_num_seqs, self.max_pages_per_seq, window)
         self.debug_nan_freed_pages = cache.debug_nan_freed_pages
+        # programs compiling in the background (background_warmup), not run until ready
+        self.warming: compile_ahead.BackgroundWarmup | None = None
         self._state = self.new_state()  # the KV state: assigned in this class only
         self.host_pool = self._host_pool(cache.host_kv_cache_bytes)
         self.num_steps = 0  # device steps run (a loop's count as many as it ran)
@@ -347,5 +349,21 @@ class ModelRunner:
         return compile_ahead.engine_programs(self)
 
     def warmup(self) -> int:
-        """Compiles every program of `programs`; returns how many."""
+        """Compiles every program of `programs` (with ``background_warmup``, those every
+        request needs, the rest in the background); returns how many there are."""
         return compile_ahead.warmup(self)
+
+    @property
+    def pending(self) -> frozenset:
+        """Programs still compiling in the background (kind, size): not run until ready."""
+        return frozenset() if self.warming is None else frozenset(self.warming.pending)
+
+    def ready_tokens(self) -> int:
+        """The most tokens a step may take now: the largest token bucket whose step (and every
+        smaller one's) is ready."""
+        pending, ready = self.pending, self.token_buckets[0]
+        for t in self.token_buckets:
+            if ("step", t) in pending:
+                break
+            ready = t
+        return ready

@@ -95,9 +95,12 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Plans one step; allocates (and may evict or preempt) the pages it needs."""
-        out, budget, scheduled = SchedulerOutput(), self.max_num_batched_tokens, set()
+    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
+        """Plans one step of at most ``max_tokens`` tokens (default and most:
+        max_num_batched_tokens); allocates (and may evict or preempt) the pages it needs."""
+        budget = self.max_num_batched_tokens if max_tokens is None else \
+            min(max_tokens, self.max_num_batched_tokens)
+        out, scheduled = SchedulerOutput(), set()
         try:
             for decode in (True, False):
                 queue = list(self.running)

@@ -10,13 +10,22 @@ program added to the registry cannot go unwarmed.
 Afterwards serving compiles nothing, so no request waits on a compile and host memory stays
 flat (logits processors with entries, and a speculating grammar's masked verification,
 compile on first use).
+
+With ``background_warmup``, `warmup` compiles only what every request needs (the smallest
+token bucket's step, the samplers, the copies) and returns; a `BackgroundWarmup` thread
+compiles the rest (the larger token buckets, the decode loops) into the program store while
+the engine serves. Until a program is ready the engine does not run it: each step's tokens
+are capped at the largest token bucket ready (`ModelRunner.ready_tokens`), and decodes run as
+ragged steps until their row bucket's loop is ready. So serving still compiles nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -185,7 +194,11 @@ PROGRAMS = (
     Program("host_save", _host_sizes, lambda r, size, ctx: _warm_host(r, "save", size)),
     Program("host_load", _host_sizes, lambda r, size, ctx: _warm_host(r, "load", size)),
 )
-_BY_KIND = {p.kind: p for p in PROGRAMS}
+
+
+def program(kind: str) -> Program:
+    """The registered `Program` of a kind."""
+    return next(p for p in PROGRAMS if p.kind == kind)
 
 
 def engine_programs(runner) -> list[tuple[str, object]]:
@@ -214,14 +227,14 @@ def _precompile(runner, progs) -> None:
     first, the samplers filling in after): XLA releases the GIL while it compiles (and while
     it loads a stored program), and a compiled program lands where a later call of the same
     signature finds it (the runs in `warmup` then compile nothing)."""
-    big = [(kind, size) for kind, size in progs if _BY_KIND[kind].prepare is not None]
+    big = [(kind, size) for kind, size in progs if program(kind).prepare is not None]
     big.sort(key=lambda prog: prog[0] not in ("step", "decode_loop"))  # the longest first
     workers = min(len(big), os.cpu_count() or 1)
     if workers < 2:
         return
     start = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
-        compiled = pool.map(lambda prog: _BY_KIND[prog[0]].prepare(runner, prog[1]), big)
+        compiled = pool.map(lambda prog: program(prog[0]).prepare(runner, prog[1]), big)
         for i, _ in enumerate(compiled):  # (re-raises the first failure)
             kind, size = big[i]
             _log.info("warmup: %s %s compiled (%d/%d compiled side by side, %.1f s)", kind,
@@ -229,17 +242,90 @@ def _precompile(runner, progs) -> None:
 
 
 def warmup(runner) -> int:
-    """Compiles every program of `engine_programs` on ``runner`` (an engine's `ModelRunner`);
-    returns how many there are."""
+    """Compiles every program of `engine_programs` on ``runner`` (an engine's `ModelRunner`),
+    or with ``background_warmup`` those every request needs, leaving the rest to a
+    `BackgroundWarmup` (``runner.warming``); returns how many programs there are."""
     progs = engine_programs(runner)
+    later = _deferrable(runner, progs) if runner.config.runtime.background_warmup else []
+    now = [prog for prog in progs if prog not in later]
     start = time.perf_counter()
     with count_compiles() as compiles:
-        _precompile(runner, progs)
-        _run_all(runner, progs)
+        _precompile(runner, now)
+        _run_all(runner, now)
     _log.info("warmup: %d programs ready in %.1f s (%d compiled, %d loaded from the compilation "
-              "cache, %d from the program store)", len(progs), time.perf_counter() - start,
-              compiles.compiled, compiles.cache_hits, compiles.stored)
+              "cache, %d from the program store)%s", len(now), time.perf_counter() - start,
+              compiles.compiled, compiles.cache_hits, compiles.stored,
+              f"; {len(later)} more compile in the background" if later else "")
+    if later:
+        runner.warming = BackgroundWarmup(runner, later)
     return len(progs)
+
+
+def _deferrable(runner, progs) -> list[tuple[str, object]]:
+    """The programs a request can do without while they compile: the step of every token
+    bucket but the smallest (a step's tokens are capped meanwhile) and the decode loops (ragged
+    steps decode meanwhile). None where a background compile would not land where serving
+    finds it, or where the cap would not hold."""
+    why = ("no program store (compilation_cache_dir is none)" if program_store() is None else
+           "a mesh (its loops' continuations take sharded arrays)" if runner.mesh is not None
+           else "speculative decoding" if runner.spec_k else None)
+    if why is not None:
+        _log.info("warmup: background_warmup is off with %s: every program compiles first", why)
+        return []
+    return [(kind, size) for kind, size in progs if kind == "decode_loop"
+            or kind == "step" and size != runner.token_buckets[0]]
+
+
+class BackgroundWarmup:
+    """Compiles ``progs`` (steps and decode loops) into the program store on a thread of its
+    own (one per core but one: the other serves), smallest first; ``pending`` holds those not
+    ready yet, which the engine does not run. A program that fails to compile leaves
+    ``pending`` too: serving then compiles it on first use and reports the error there."""
+
+    def __init__(self, runner, progs: list[tuple[str, object]]):
+        # the order they become ready: each kind's buckets interleaved, smallest first
+        index = {prog: i for kind in ("step", "decode_loop")
+                 for i, prog in enumerate(p for p in progs if p[0] == kind)}
+        self.pending = set(progs)
+        self._order = sorted(progs, key=lambda prog: (index[prog], prog[0] != "step"))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(runner,), daemon=True,
+                                        name="jaxkv-warmup")
+        atexit.register(self.stop)  # (a daemon thread killed inside XLA can crash the exit)
+        self._thread.start()
+
+    def _one(self, runner, prog, start: float) -> None:
+        if self._stop.is_set():
+            return
+        kind, size = prog
+        try:
+            program(kind).prepare(runner, size)
+        except Exception as e:  # noqa: BLE001 - serving compiles it and reports the error
+            _log.warning("warmup: background compile of %s %s failed (%s: %s); it compiles on "
+                         "first use", kind, size, type(e).__name__, e)
+        self.pending.discard(prog)
+        _log.info("warmup: background: %s %s ready (%d left, %.1f s)", kind, size,
+                  len(self.pending), time.perf_counter() - start)
+
+    def _run(self, runner) -> None:
+        start = time.perf_counter()
+        workers = max(1, (os.cpu_count() or 1) - 1)
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxkv-warmup") as pool:
+            list(pool.map(lambda prog: self._one(runner, prog, start), self._order))
+        if not self._stop.is_set():
+            _log.info("warmup: background: %d programs ready in %.1f s", len(self._order),
+                      time.perf_counter() - start)
+            atexit.unregister(self.stop)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until every program is ready (or ``timeout`` seconds); returns whether."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Compiles no further program (the one compiling finishes) and waits for the thread."""
+        self._stop.set()
+        self._thread.join()
 
 
 def _run_all(runner, progs) -> None:
@@ -252,6 +338,6 @@ def _run_all(runner, progs) -> None:
             _log.info("warmup: %d/%d programs ready (%.1f s); next: %s %s", i, len(progs),
                       now - start, kind, size)
         last = now
-        _BY_KIND[kind].warm(runner, size, ctx)
+        program(kind).warm(runner, size, ctx)
     sample_keys(0, SamplingParams(n=2), 0)  # the per-request key derivation
     jax.block_until_ready(runner.state)

@@ -68,6 +68,9 @@ class ServerMetrics:
         self.window_cached = gauge("window_kv_slots_cached", "Window slots kept only for the "
                                    "prefix cache (reused by a later hit, else taken back).")
         self.window_total = gauge("window_kv_slots_total", "Window slots in the pool.")
+        self.compiling = gauge("programs_compiling", "Programs still compiling in the "
+                               "background after start-up (background_warmup): until then "
+                               "steps are capped at the largest token bucket ready.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token after the first.")
@@ -104,6 +107,7 @@ class ServerMetrics:
         self.window_pinned.set(stats.window_slots_pinned)
         self.window_cached.set(stats.window_slots_cached)
         self.window_total.set(stats.window_slots_total)
+        self.compiling.set(stats.programs_compiling)
 
     def finished(self, output) -> None:
         """Observes a finished RequestOutput's latencies."""
