@@ -200,7 +200,8 @@ def test_poisoning_runs_after_the_copies_of_its_step(tiny_model, monkeypatch):
     src, dst = engine.allocator.allocate(2)
     engine.write_kv(lambda state: fill_pages(state, np.array([src], np.int32), 1.0))
     engine.allocator.free([src])
-    monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput(copies=[(src, dst)]))
+    monkeypatch.setattr(engine.scheduler, "schedule",
+                        lambda *_: SchedulerOutput(copies=[(src, dst)]))
     d = engine.dispatch()
     assert d.error is None and d.read is None  # no rows to run
     kv = np.asarray(engine.state.kv_pages)
