@@ -204,9 +204,9 @@ class RuntimeConfig:
     compilation_cache_dir: str = "auto"
     """Folder where compiled programs persist between runs (jax's persistent compilation
     cache), so the next start of the same model and settings loads them instead of compiling:
-    auto ($JAXKV_COMPILATION_CACHE_DIR if set, else ~/.cache/jaxkv/xla; a folder set in jax's
-    jax_compilation_cache_dir wins), a path, or none (off). An LLM sets it for the whole
-    process (jax has one cache); a bare Engine leaves jax as it is."""
+    auto ($JAXKV_COMPILATION_CACHE_DIR if set, else a folder set in jax's
+    jax_compilation_cache_dir, else ~/.cache/jaxkv/xla), a path, or none (off). An LLM sets it
+    for the whole process (jax has one cache); a bare Engine leaves jax as it is."""
 
     def __post_init__(self):
         name = type(self).__name__

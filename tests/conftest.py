@@ -22,6 +22,42 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+# One persistent compilation cache per run, shared by its workers and the processes tests start
+# (a fresh folder: a run still does not depend on earlier ones): a program that both workers,
+# or a test after jax's caches were dropped (below), compile is built once and loaded after.
+# jax's cache only: "auto" LLMs keep no programs of their own in it
+# (JAXKV_COMPILATION_CACHE_DIR=none above). JAXKV_TEST_COMPILE_CACHE=none: no such cache.
+if "JAXKV_TEST_COMPILE_CACHE" not in os.environ:  # the first process of the run: its owner
+    import tempfile
+
+    os.environ["JAXKV_TEST_COMPILE_CACHE"] = _SUITE_CACHE_OWNED = tempfile.mkdtemp(
+        prefix="jaxkv-test-xla-")
+else:
+    _SUITE_CACHE_OWNED = None
+SUITE_CACHE = os.environ["JAXKV_TEST_COMPILE_CACHE"]
+if SUITE_CACHE != "none":
+    jax.config.update("jax_compilation_cache_dir", SUITE_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _SUITE_CACHE_OWNED is not None:
+        import shutil
+
+        shutil.rmtree(_SUITE_CACHE_OWNED, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _suite_compile_cache():
+    """Points jax back at the run's cache after a test that pointed it elsewhere."""
+    yield
+    if SUITE_CACHE != "none" and jax.config.jax_compilation_cache_dir != SUITE_CACHE:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", SUITE_CACHE)
+        compilation_cache.reset_cache()
+
 # tests/multidevice needs 8 virtual devices, set before jax initializes: test_scaleout.py
 # runs it in a separate process (JAXKV_MULTIDEVICE=1), so this one keeps one device.
 collect_ignore = [] if os.environ.get("JAXKV_MULTIDEVICE") else ["multidevice"]

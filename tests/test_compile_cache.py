@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -15,15 +16,17 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxkv.config import RuntimeConfig
 from jaxkv.runtime.compile_cache import default_dir, use_compile_cache
+from jaxkv.runtime.stored_jit import program_store, use_program_store
 
 
 @pytest.fixture
 def restore_cache_dir():
     """The process's cache folder as it was before the test."""
-    before = jax.config.jax_compilation_cache_dir
+    before, store = jax.config.jax_compilation_cache_dir, program_store()
     yield
     jax.config.update("jax_compilation_cache_dir", before)
     compilation_cache.reset_cache()
+    use_program_store(store)
 
 
 _START = """
@@ -96,10 +99,14 @@ def test_none_turns_off_only_jaxkvs_folder_and_a_users_jax_folder_wins(tmp_path,
     assert jax.config.jax_compilation_cache_dir is None
     mine = str(tmp_path / "mine")
     jax.config.update("jax_compilation_cache_dir", mine)
+    monkeypatch.delenv("JAXKV_COMPILATION_CACHE_DIR")
     assert use_compile_cache("auto") == mine  # the user configured jax: theirs
-    assert use_compile_cache("none") == mine  # and jaxkv does not turn theirs off
+    assert program_store() == Path(mine) / "jaxkv-programs"
+    assert use_compile_cache("none") == mine  # and jaxkv does not turn theirs off,
+    assert program_store() is None  # but keeps no programs in it
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE_DIR", "none")  # the environment's default
+    assert use_compile_cache("auto") == mine and program_store() is None  # wins over jax's
     jax.config.update("jax_compilation_cache_dir", None)
-    monkeypatch.setenv("JAXKV_COMPILATION_CACHE_DIR", "none")
     assert use_compile_cache("auto") is None
     monkeypatch.setenv("JAXKV_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
     assert use_compile_cache("auto") == str(tmp_path / "env")

@@ -5,10 +5,10 @@ run again, a test run).
 The cache is jax's own (`jax.experimental.compilation_cache`): one file per program, keyed by
 the program, the jax/XLA version and the device, so a change of any of them just compiles
 anew. ``RuntimeConfig.compilation_cache_dir`` picks the folder: "auto" is
-``$JAXKV_COMPILATION_CACHE_DIR`` when set (a folder, or none), else `default_dir`
-(``~/.cache/jaxkv/xla``); "none" turns it off. A folder set through jax itself
-(``jax_compilation_cache_dir``, or ``JAX_COMPILATION_CACHE_DIR``) wins over "auto", so a user
-who configured jax keeps their setting (and their thresholds).
+``$JAXKV_COMPILATION_CACHE_DIR`` when set (a folder, or none), else a folder set through jax
+itself (``jax_compilation_cache_dir``, or ``JAX_COMPILATION_CACHE_DIR``: a user who configured
+jax keeps their setting and their thresholds), else `default_dir` (``~/.cache/jaxkv/xla``);
+"none" turns it off (jaxkv's program store too; a folder the user gave jax stays jax's).
 
 jax's cache is one per process: turning it on (by building an `LLM`) also caches the other
 programs the process compiles from then on, a trainer's included, which is what a training
@@ -49,8 +49,11 @@ def use_compile_cache(setting: str) -> str | None:
     before the first call are not saved, later ones are (every size, not only slow ones).
     jaxkv's own programs are kept whole beside it, in its ``jaxkv-programs`` folder
     (`jaxkv.runtime.stored_jit`): a later start neither traces nor lowers them."""
+    named = os.environ.get("JAXKV_COMPILATION_CACHE_DIR")
+    if setting == "auto" and named and named != "auto":
+        setting = named  # the setting's environment default
     folder = _use_jax_cache(setting)
-    use_program_store(None if folder is None else Path(folder) / SUBFOLDER)
+    use_program_store(None if folder is None or setting in OFF else Path(folder) / SUBFOLDER)
     return folder
 
 
@@ -65,9 +68,6 @@ def _use_jax_cache(setting: str) -> str | None:
     if setting == "auto":
         if current:  # the user (or an earlier LLM) configured jax: that folder
             return current
-        named = os.environ.get("JAXKV_COMPILATION_CACHE_DIR")
-        if named:  # the setting's environment default: a folder, or none
-            return _use_jax_cache(named) if named != "auto" else None
         folder = str(default_dir())
     else:
         folder = str(Path(setting).expanduser())
