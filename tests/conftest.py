@@ -50,12 +50,16 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(autouse=True)
 def _suite_compile_cache():
-    """Points jax back at the run's cache after a test that pointed it elsewhere."""
+    """Points jax back at the run's cache after a test that pointed it elsewhere, unbounded: a
+    bounded cache (jaxkv bounds the folders it sets) evicts by reading every entry's access-time
+    file, which a process writing unbounded does not write."""
     yield
-    if SUITE_CACHE != "none" and jax.config.jax_compilation_cache_dir != SUITE_CACHE:
+    if SUITE_CACHE != "none" and (jax.config.jax_compilation_cache_dir != SUITE_CACHE
+                                  or jax.config.jax_compilation_cache_max_size != -1):
         from jax.experimental.compilation_cache import compilation_cache
 
         jax.config.update("jax_compilation_cache_dir", SUITE_CACHE)
+        jax.config.update("jax_compilation_cache_max_size", -1)
         compilation_cache.reset_cache()
 
 # tests/multidevice needs 8 virtual devices, set before jax initializes: test_scaleout.py
