@@ -22,8 +22,8 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-# One persistent compilation cache per run, shared by its workers and the processes tests start
-# (a fresh folder: a run still does not depend on earlier ones): a program that both workers,
+# One persistent compilation cache per run, shared by its workers and the pytest processes tests
+# start (a fresh folder: a run still does not depend on earlier ones): a program that both workers,
 # or a test after jax's caches were dropped (below), compile is built once and loaded after.
 # jax's cache only: "auto" LLMs keep no programs of their own in it
 # (JAXKV_COMPILATION_CACHE_DIR=none above). JAXKV_TEST_COMPILE_CACHE=none: no such cache.

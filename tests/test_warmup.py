@@ -157,6 +157,38 @@ def test_background_warmup_serves_at_once_within_what_is_compiled(tiny_model, ti
     assert max(buckets) > 16 and loops  # the whole ladder and the decode loops in use
 
 
+def test_a_stopped_background_warmup_starts_no_further_program(tiny_model, store,
+                                                               monkeypatch):
+    """`stop` (run at exit) waits for the programs compiling and starts none of those queued,
+    so a server stopped early does not wait for its whole warmup."""
+    import os
+
+    from jaxkv.engine import warmup as warmup_mod
+
+    gate, started = threading.Event(), []
+    prog = warmup_mod.program("step")
+
+    def prepare(runner, size):
+        if runner.config.runtime.background_warmup and size != runner.token_buckets[0]:
+            started.append(size)
+            assert gate.wait(300)
+        return prog.prepare(runner, size)
+    monkeypatch.setattr(warmup_mod, "PROGRAMS", tuple(
+        dataclasses.replace(p, prepare=prepare) if p.kind == "step" else p
+        for p in warmup_mod.PROGRAMS))
+    engine = Engine(tiny_model, page_size=4, num_pages=44, max_num_seqs=4, max_model_len=64,
+                    max_num_batched_tokens=128, max_decode_steps=1, background_warmup=True)
+    engine.warmup()
+    assert engine.runner.pending == {("step", 32), ("step", 64), ("step", 128)}
+    engine.runner.warming.cancel()  # (as `stop` does first)
+    gate.set()
+    engine.runner.warming.stop()
+    workers = max(1, (os.cpu_count() or 1) - 1)
+    assert len(started) == min(workers, 3)  # those compiling when it stopped, no more
+    assert len(engine.runner.pending) == 3 - min(workers, 3)
+    assert engine.wait_for_warmup(timeout=5) is (workers >= 3)
+
+
 def test_background_warmup_needs_the_program_store(tiny_model, caplog):
     """Without a program store (or with speculation) a background compile would land where
     serving does not look: every program compiles first, and the log says why."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 _WARMUP = re.compile(r"warmup: (\d+) programs ready in ([\d.]+) s \((\d+) compiled, (\d+) loaded "
                      r"from the compilation cache, (\d+) from the program store")
-_BACKGROUND = re.compile(r"warmup: background: \d+ programs ready in")
+_BACKGROUND = re.compile(r"warmup: background: every program ready in")
 _LLM = ("import logging, sys, time; t = time.perf_counter(); import jaxkv; "
         "logging.basicConfig(); logging.getLogger('jaxkv').setLevel(logging.INFO); "
         "jaxkv.LLM(None if sys.argv[1] == 'tiny' else sys.argv[1], "

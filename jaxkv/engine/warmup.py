@@ -25,6 +25,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -245,6 +246,9 @@ def warmup(runner) -> int:
     """Compiles every program of `engine_programs` on ``runner`` (an engine's `ModelRunner`),
     or with ``background_warmup`` those every request needs, leaving the rest to a
     `BackgroundWarmup` (``runner.warming``); returns how many programs there are."""
+    if runner.warming is not None:  # warmed up again: the earlier background stops first
+        runner.warming.stop()
+        runner.warming = None
     progs = engine_programs(runner)
     later = _deferrable(runner, progs) if runner.config.runtime.background_warmup else []
     now = [prog for prog in progs if prog not in later]
@@ -252,6 +256,12 @@ def warmup(runner) -> int:
     with count_compiles() as compiles:
         _precompile(runner, now)
         _run_all(runner, now)
+        if later and not _stored(runner):
+            _log.info("warmup: background_warmup is off: the program store does not keep this "
+                      "model's programs; every program compiles first")
+            _precompile(runner, later)
+            _run_all(runner, later)
+            now, later = progs, []
     _log.info("warmup: %d programs ready in %.1f s (%d compiled, %d loaded from the compilation "
               "cache, %d from the program store)%s", len(now), time.perf_counter() - start,
               compiles.compiled, compiles.cache_hits, compiles.stored,
@@ -261,13 +271,23 @@ def warmup(runner) -> int:
     return len(progs)
 
 
+def _stored(runner) -> bool:
+    """Whether the program store keeps this runner's step (a model whose description cannot
+    be reproduced, say, is not stored: a background compile would not land where serving
+    looks). Asked after the smallest step was prepared: nothing compiles here."""
+    keys, arrays = runner.sampling([])
+    return runner.steps.step.executable(runner.model.params, runner.state, _padding(
+        runner, runner.token_buckets[0]), keys, arrays) is not None
+
+
 def _deferrable(runner, progs) -> list[tuple[str, object]]:
     """The programs a request can do without while they compile: the step of every token
     bucket but the smallest (a step's tokens are capped meanwhile) and the decode loops (ragged
     steps decode meanwhile). None where a background compile would not land where serving
     finds it, or where the cap would not hold."""
     why = ("no program store (compilation_cache_dir is none)" if program_store() is None else
-           "a mesh (its loops' continuations take sharded arrays)" if runner.mesh is not None
+           "a mesh (tensor or data parallelism, disaggregation: a loop's continuation takes "
+           "sharded arrays)" if runner.mesh is not None
            else "speculative decoding" if runner.spec_k else None)
     if why is not None:
         _log.info("warmup: background_warmup is off with %s: every program compiles first", why)
@@ -277,55 +297,71 @@ def _deferrable(runner, progs) -> list[tuple[str, object]]:
 
 
 class BackgroundWarmup:
-    """Compiles ``progs`` (steps and decode loops) into the program store on a thread of its
-    own (one per core but one: the other serves), smallest first; ``pending`` holds those not
-    ready yet, which the engine does not run. A program that fails to compile leaves
-    ``pending`` too: serving then compiles it on first use and reports the error there."""
+    """Compiles ``progs`` (steps and decode loops) into the program store on daemon threads of
+    its own (one per core but one: the other serves), smallest first; ``pending`` holds those
+    not ready yet, which the engine does not run. A program that fails to compile leaves
+    ``pending`` too: serving then compiles it on first use and reports the error there. At
+    exit (or `stop`) no further program starts; the ones compiling finish. While it runs,
+    programs compile with jax's persistent cache bypassed (`jaxkv.runtime.stored_jit`), those
+    the engine compiles meanwhile included."""
 
     def __init__(self, runner, progs: list[tuple[str, object]]):
         # the order they become ready: each kind's buckets interleaved, smallest first
         index = {prog: i for kind in ("step", "decode_loop")
                  for i, prog in enumerate(p for p in progs if p[0] == kind)}
         self.pending = set(progs)
-        self._order = sorted(progs, key=lambda prog: (index[prog], prog[0] != "step"))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(runner,), daemon=True,
-                                        name="jaxkv-warmup")
-        atexit.register(self.stop)  # (a daemon thread killed inside XLA can crash the exit)
-        self._thread.start()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for prog in sorted(progs, key=lambda prog: (index[prog], prog[0] != "step")):
+            self._queue.put(prog)
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self._start = time.perf_counter()
+        workers = min(len(progs), max(1, (os.cpu_count() or 1) - 1))
+        # daemon threads: the interpreter's exit does not wait for the queue (`stop` at exit
+        # waits only for the programs compiling, which a daemon killed inside XLA could crash)
+        self._threads = [threading.Thread(target=self._work, args=(runner,), daemon=True,
+                                          name=f"jaxkv-warmup-{i}") for i in range(workers)]
+        atexit.register(self.stop)
+        for thread in self._threads:
+            thread.start()
 
-    def _one(self, runner, prog, start: float) -> None:
-        if self._stop.is_set():
-            return
-        kind, size = prog
-        try:
-            program(kind).prepare(runner, size)
-        except Exception as e:  # noqa: BLE001 - serving compiles it and reports the error
-            _log.warning("warmup: background compile of %s %s failed (%s: %s); it compiles on "
-                         "first use", kind, size, type(e).__name__, e)
-        self.pending.discard(prog)
-        _log.info("warmup: background: %s %s ready (%d left, %.1f s)", kind, size,
-                  len(self.pending), time.perf_counter() - start)
-
-    def _run(self, runner) -> None:
-        start = time.perf_counter()
-        workers = max(1, (os.cpu_count() or 1) - 1)
-        with ThreadPoolExecutor(workers, thread_name_prefix="jaxkv-warmup") as pool:
-            list(pool.map(lambda prog: self._one(runner, prog, start), self._order))
-        if not self._stop.is_set():
-            _log.info("warmup: background: %d programs ready in %.1f s", len(self._order),
-                      time.perf_counter() - start)
-            atexit.unregister(self.stop)
+    def _work(self, runner) -> None:
+        while not self._stop.is_set():
+            try:
+                kind, size = prog = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                program(kind).prepare(runner, size)
+            except Exception as e:  # noqa: BLE001 - serving compiles it and reports the error
+                _log.warning("warmup: background compile of %s %s failed (%s: %s); it compiles "
+                             "on first use", kind, size, type(e).__name__, e)
+            with self._lock:
+                self.pending.discard(prog)
+                left = len(self.pending)
+            _log.info("warmup: background: %s %s ready (%d left, %.1f s)", kind, size, left,
+                      time.perf_counter() - self._start)
+            if left == 0:
+                _log.info("warmup: background: every program ready in %.1f s",
+                          time.perf_counter() - self._start)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits until every program is ready (or ``timeout`` seconds); returns whether."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Waits until every program is ready (or ``timeout`` seconds, or `stop`); returns
+        whether every one is."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        return not self.pending
+
+    def cancel(self) -> None:
+        """Starts no further program (those compiling go on)."""
+        self._stop.set()
 
     def stop(self) -> None:
-        """Compiles no further program (the one compiling finishes) and waits for the thread."""
-        self._stop.set()
-        self._thread.join()
+        """Starts no further program and waits for those compiling."""
+        self.cancel()
+        for thread in self._threads:
+            thread.join()
+        atexit.unregister(self.stop)
 
 
 def _run_all(runner, progs) -> None:
