@@ -200,7 +200,8 @@ class RuntimeConfig:
     meanwhile capped at the largest token bucket compiled: a first start serves in seconds, at
     a reduced throughput until the rest is ready (`LLM.stats().programs_compiling`). Needs the
     program store (a compilation_cache_dir) and no tensor or data parallelism, disaggregation
-    or speculation; else every program compiles first. On for `jaxkv serve` (--no-background-warmup: off)."""
+    or speculation; else every program compiles first. On for `jaxkv serve`
+    (--no-background-warmup: off)."""
     compilation_cache_dir: str = "auto"
     """Folder where compiled programs persist between runs (jax's persistent compilation
     cache), so the next start of the same model and settings loads them instead of compiling:
