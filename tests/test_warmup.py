@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from serving import drive
 
 from jaxkv import Engine, SamplingParams
 from jaxkv.runtime.compiles import count_compiles
@@ -121,13 +122,7 @@ def test_background_warmup_serves_at_once_within_what_is_compiled(tiny_model, ti
     def serve(engine, prompts):
         for i, (p, sp) in enumerate(zip(prompts, sps, strict=True)):
             engine.add_request(str(i), prompt_token_ids=p, sampling_params=sp)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = [o.token_ids for o in out.outputs]
-            engine.check()
-        return done
+        return {rid: [o.token_ids for o in out.outputs] for rid, out in drive(engine).items()}
 
     full = Engine(tiny_model, **shape)
     full.warmup()

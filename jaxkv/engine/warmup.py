@@ -69,11 +69,15 @@ def _padding(runner, t: int):
     return spec_runner.committed_tokens(runner, batch) if runner.drafts_on_device else batch
 
 
+def _step_args(runner, size) -> tuple:
+    """A step's arguments on padding of ``size`` tokens: params, state, batch, keys, arrays."""
+    return (runner.model.params, runner.state, _padding(runner, size), *runner.sampling([]))
+
+
 def _warm_step(runner, size, ctx) -> None:
-    ctx["keys"], ctx["arrays"] = runner.sampling([])
-    batch = _padding(runner, size)
-    whole = None if program_store() is None else runner.steps.step.executable(
-        runner.model.params, runner.state, batch, ctx["keys"], ctx["arrays"])
+    args = _step_args(runner, size)
+    _, _, batch, ctx["keys"], ctx["arrays"] = args
+    whole = None if program_store() is None else runner.steps.step.executable(*args)
     if whole is not None:  # in the program store's table: nothing left to trace or compile
         # (running it on padding would only cost its run: up to a second on CPU); the
         # samplers after it take logits shaped and placed as its outputs
@@ -85,9 +89,7 @@ def _warm_step(runner, size, ctx) -> None:
 
 
 def _prepare_step(runner, size):
-    keys, arrays = runner.sampling([])
-    return _prepare(runner.steps.step, runner.model.params, runner.state,
-                    _padding(runner, size), keys, arrays)
+    return _prepare(runner.steps.step, *_step_args(runner, size))
 
 
 def _warm_decode_loop(runner, size, ctx) -> None:
@@ -275,9 +277,8 @@ def _stored(runner) -> bool:
     """Whether the program store keeps this runner's step (a model whose description cannot
     be reproduced, say, is not stored: a background compile would not land where serving
     looks). Asked after the smallest step was prepared: nothing compiles here."""
-    keys, arrays = runner.sampling([])
-    return runner.steps.step.executable(runner.model.params, runner.state, _padding(
-        runner, runner.token_buckets[0]), keys, arrays) is not None
+    return runner.steps.step.executable(*_step_args(runner, runner.token_buckets[0])) \
+        is not None
 
 
 def _deferrable(runner, progs) -> list[tuple[str, object]]:
